@@ -1,0 +1,213 @@
+"""Per-request capture of aux + final hidden states from SGLang's prefill forwards.
+
+Two hooks, both installed through SGLang's HookRegistry:
+- AFTER `ForwardBatch.init_new`: remember each request's prompt length (the forward batch does
+  not carry it, and chunked prefill needs it to know when a prompt is complete);
+- AFTER `ModelRunner.forward`: for every extend forward, cut the packed aux states
+  (`logits_output.hidden_states` [T, n_aux*H]) and the post-norm final states
+  (`logits_output.last_hidden_states` [T, H]) per request, copy our requests' rows into their
+  dumps, and publish each dump once its prompt is complete. The dump's location goes back to
+  the client through `logits_output.customized_info`, which SGLang puts in `meta_info`.
+
+This hook runs eagerly after every forward, CUDA-graph replays included, with outputs
+already trimmed of graph padding (unlike a hook on the model's own forward).
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from patches.dump_writer import DumpWriter, PendingDump
+from patches.settings import META_INFO_KEY, CaptureSettings
+
+logger = logging.getLogger(__name__)
+
+DUMP_FORMAT = "hidden-capture-dump"
+DUMP_FORMAT_VERSION = 1
+LAYER_CONVENTION = (
+    "aux slot j is the residual stream entering decoder layer layer_ids[j], "
+    "i.e. HF transformers output_hidden_states[layer_ids[j]]"
+)
+
+FORWARD_TARGET = "sglang.srt.model_executor.model_runner.ModelRunner.forward"
+INIT_BATCH_TARGET = "sglang.srt.model_executor.forward_batch_info.ForwardBatch.init_new"
+_PROMPT_LENS_ATTR = "_hidden_capture_prompt_lens"
+
+
+@dataclass
+class _OpenDump:
+    pending: PendingDump
+    index: int
+    prompt_len: int
+    covered: torch.Tensor  # bool [prompt_len]: rows filled so far
+
+
+class CaptureSession:
+    """The capture state of one server (one scheduler process, TP rank 0)."""
+
+    def __init__(self, settings: CaptureSettings) -> None:
+        assert settings.dump_dir is not None
+        self.settings = settings
+        self.writer = DumpWriter(settings.dump_dir, settings.max_pending_bytes)
+        self._counter = itertools.count()
+        self._open: dict[str, _OpenDump] = {}
+        # Rids already published: a retracted request that is prefilled again must not
+        # produce a second dump. Bounded by the number of requests a server ever sees.
+        self._published: set[str] = set()
+        self._layout: dict[str, Any] | None = None
+
+    # -- hooks -------------------------------------------------------------------------
+
+    def on_forward(self, output: Any, runner: Any, forward_batch: Any) -> None:
+        if getattr(runner, "is_draft_worker", False) or not _is_tp_rank0():
+            return
+        if not forward_batch.forward_mode.is_extend_without_speculative():
+            return
+        rids = forward_batch.rids or []
+        ours = [i for i, rid in enumerate(rids) if rid.startswith(self.settings.rid_prefix)]
+        if not ours:
+            return
+        logits_output = output.logits_output
+        infos: list[dict[str, Any] | None] = [None] * len(rids)
+        for i in ours:
+            try:
+                infos[i] = self._capture_request(i, logits_output, runner, forward_batch)
+            except Exception as exc:  # never take the server down; report it per request
+                logger.exception("hidden capture failed for rid %s", rids[i])
+                self._discard(rids[i])
+                infos[i] = {"error": f"{type(exc).__name__}: {exc}"}
+        if any(info is not None for info in infos):
+            if logits_output.customized_info is None:
+                logits_output.customized_info = {}
+            logits_output.customized_info[META_INFO_KEY] = infos
+
+    # -- per request -------------------------------------------------------------------
+
+    def _capture_request(
+        self, i: int, logits_output: Any, runner: Any, forward_batch: Any
+    ) -> dict[str, Any] | None:
+        rid = forward_batch.rids[i]
+        if rid in self._published:
+            return None
+        aux, final = logits_output.hidden_states, logits_output.last_hidden_states
+        if aux is None or final is None:
+            raise RuntimeError(
+                "the forward returned no aux/final hidden states: start the server with "
+                "--enable-return-aux-hidden-states --speculative-algorithm EAGLE3"
+            )
+        layout = self._layout_for(runner, aux, final)
+        prompt_lens = getattr(forward_batch, _PROMPT_LENS_ATTR, None)
+        if prompt_lens is None:
+            raise RuntimeError("prompt lengths missing: the ForwardBatch.init_new hook is not active")
+        prompt_len = prompt_lens[i]
+
+        row0 = sum(forward_batch.extend_seq_lens_cpu[:i])
+        start = forward_batch.extend_prefix_lens_cpu[i]
+        if start == 0 and rid in self._open:
+            # Prefilled again from scratch (retraction): overwrite, never append.
+            logger.info("rid %s is prefilled again; its fragments are overwritten", rid)
+        dump = self._open.get(rid) or self._open_dump(rid, prompt_len, layout)
+        n = min(forward_batch.extend_seq_lens_cpu[i], prompt_len - start)
+        if n <= 0:
+            return None
+        rows = slice(row0, row0 + n)
+        n_aux, hidden = layout["num_aux"], layout["hidden_size"]
+        dump.pending.fill("aux_hidden_states", start, aux[rows].view(n, n_aux, hidden))
+        dump.pending.fill("final_hidden_states", start, final[rows])
+        dump.pending.fill("input_ids", start, forward_batch.input_ids[rows].to(torch.int64))
+        dump.pending.fill("positions", start, forward_batch.positions[rows].to(torch.int64))
+        dump.covered[start : start + n] = True
+        if not bool(dump.covered.all()):
+            return None
+        dump.pending.publish()
+        del self._open[rid]
+        self._published.add(rid)
+        return {"path": str(dump.pending.path), "index": dump.index}
+
+    def _open_dump(self, rid: str, prompt_len: int, layout: dict[str, Any]) -> _OpenDump:
+        index = next(self._counter)
+        hidden, dtype = layout["hidden_size"], layout["torch_dtype"]
+        tensors = {
+            "aux_hidden_states": ((prompt_len, layout["num_aux"], hidden), dtype),
+            "final_hidden_states": ((prompt_len, hidden), dtype),
+            "input_ids": ((prompt_len,), torch.int64),
+            "positions": ((prompt_len,), torch.int64),
+        }
+        meta = {
+            "format": DUMP_FORMAT,
+            "version": DUMP_FORMAT_VERSION,
+            "rid": rid,
+            "index": index,
+            "num_tokens": prompt_len,
+            **{k: v for k, v in layout.items() if k != "torch_dtype"},
+        }
+        dump = _OpenDump(
+            pending=self.writer.open(f"req_{index}", tensors, meta),
+            index=index,
+            prompt_len=prompt_len,
+            covered=torch.zeros(prompt_len, dtype=torch.bool),
+        )
+        self._open[rid] = dump
+        return dump
+
+    def _discard(self, rid: str) -> None:
+        dump = self._open.pop(rid, None)
+        if dump is not None:
+            dump.pending.abort()
+
+    def _layout_for(self, runner: Any, aux: torch.Tensor, final: torch.Tensor) -> dict[str, Any]:
+        """What every dump of this server shares; resolved once, from the model itself."""
+        if self._layout is None:
+            from sglang.srt.runtime_context import get_exec
+
+            layer_ids = sorted(runner.model.model.layers_to_capture)
+            hidden = int(final.shape[-1])
+            if aux.shape[-1] != len(layer_ids) * hidden:
+                raise RuntimeError(
+                    f"aux hidden states have {aux.shape[-1]} features, expected "
+                    f"{len(layer_ids)} layers x {hidden}"
+                )
+            self._layout = {
+                "layer_ids": layer_ids,
+                "requested_layer_ids": get_exec().features.return_aux_hidden_state_layer_ids,
+                "layer_convention": LAYER_CONVENTION,
+                "num_aux": len(layer_ids),
+                "hidden_size": hidden,
+                "dtype": str(final.dtype).removeprefix("torch."),
+                "torch_dtype": final.dtype,
+                "final_state": "post_norm",
+                "architecture": type(runner.model).__name__,
+            }
+        return self._layout
+
+
+def _is_tp_rank0() -> bool:
+    from sglang.srt.runtime_context import get_parallel
+
+    return get_parallel().tp_rank == 0
+
+
+def _record_prompt_lens(forward_batch: Any, cls: type, batch: Any, *args: Any, **kwargs: Any) -> None:
+    setattr(forward_batch, _PROMPT_LENS_ATTR, [len(req.origin_input_ids) for req in batch.reqs])
+
+
+def register(settings: CaptureSettings) -> None:
+    from sglang.srt.plugins.hook_registry import HookRegistry, HookType
+
+    session: CaptureSession | None = None
+
+    def after_forward(output: Any, runner: Any, forward_batch: Any, *args: Any, **kwargs: Any) -> None:
+        # Created lazily: the hook is registered in every SGLang process, but only the
+        # scheduler runs forwards, and only it should own a writer thread.
+        nonlocal session
+        if session is None:
+            session = CaptureSession(settings)
+        session.on_forward(output, runner, forward_batch)
+
+    HookRegistry.register(INIT_BATCH_TARGET, _record_prompt_lens, HookType.AFTER)
+    HookRegistry.register(FORWARD_TARGET, after_forward, HookType.AFTER)

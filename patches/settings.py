@@ -1,0 +1,59 @@
+"""The plugin's configuration, read from the environment of the SGLang server.
+
+SGLang starts its scheduler and detokenizer as separate processes and loads plugins in
+each, so environment variables are the one channel that reaches all of them.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+ENV_DUMP_DIR = "HIDDEN_CAPTURE_DIR"
+ENV_RID_PREFIX = "HIDDEN_CAPTURE_RID_PREFIX"
+ENV_MAX_PENDING_BYTES = "HIDDEN_CAPTURE_MAX_PENDING_BYTES"
+ENV_MLA_CPU_FIX = "HIDDEN_CAPTURE_MLA_CPU_FIX"
+
+DEFAULT_RID_PREFIX = "hsx-"
+DEFAULT_MAX_PENDING_BYTES = 2 << 30
+
+# The response's meta_info key that carries a captured request's dump path.
+META_INFO_KEY = "hidden_capture_dump"
+
+
+@dataclass(frozen=True)
+class CaptureSettings:
+    dump_dir: Path | None  # None: capture is off
+    rid_prefix: str
+    max_pending_bytes: int
+    mla_cpu_fix: bool
+
+    @property
+    def capture_enabled(self) -> bool:
+        return self.dump_dir is not None
+
+    @classmethod
+    def from_env(cls, env: dict[str, str] | None = None) -> CaptureSettings:
+        env = os.environ if env is None else env
+        dump_dir = env.get(ENV_DUMP_DIR, "").strip()
+        prefix = env.get(ENV_RID_PREFIX, DEFAULT_RID_PREFIX)
+        if not prefix:
+            raise ValueError(f"{ENV_RID_PREFIX} must not be empty: it keeps foreign traffic out")
+        return cls(
+            dump_dir=Path(dump_dir) if dump_dir else None,
+            rid_prefix=prefix,
+            max_pending_bytes=int(env.get(ENV_MAX_PENDING_BYTES, DEFAULT_MAX_PENDING_BYTES)),
+            mla_cpu_fix=env.get(ENV_MLA_CPU_FIX, "1") != "0",
+        )
+
+    def to_env(self) -> dict[str, str]:
+        """The environment that reproduces these settings in a server process."""
+        env = {
+            ENV_RID_PREFIX: self.rid_prefix,
+            ENV_MAX_PENDING_BYTES: str(self.max_pending_bytes),
+            ENV_MLA_CPU_FIX: "1" if self.mla_cpu_fix else "0",
+        }
+        if self.dump_dir is not None:
+            env[ENV_DUMP_DIR] = str(self.dump_dir)
+        return env
