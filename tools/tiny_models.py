@@ -42,11 +42,12 @@ CHAT_TEMPLATE = (
 )
 
 _WORDS = (
-    "the of and to in is that for it as with was on be by this are from at or an have not which "
-    "model layer token hidden state draft target speculative decoding prefill batch request server "
-    "cluster node shard queue lease store chunk array sample prompt answer question user assistant "
-    "system capital city france paris river mountain ocean history science music number time world "
-    "people water light energy computer language learning training data attention memory value"
+    "the of and to in is that for it as with was on be by this are from at or an have not "
+    "which model layer token hidden state draft target speculative decoding prefill batch "
+    "request server cluster node shard queue lease store chunk array sample prompt answer "
+    "question user assistant system capital city france paris river mountain ocean history "
+    "science music number time world people water light energy computer language learning "
+    "training data attention memory value"
 ).split()
 
 
