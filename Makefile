@@ -1,0 +1,46 @@
+# Everything a user or CI runs goes through here; each target sets up the venv first.
+#   make demo                 set up, then run the demo on a tiny DeepseekV3 (CPU)
+#   make test                 set up, then run the test suite (real SGLang servers on CPU)
+#   make bench [BENCH=name]   set up, then run every benchmark, or one
+PYTHON ?= python3.11
+VENV := .venv
+PY := $(VENV)/bin/python
+PIP := $(PY) -m pip --disable-pip-version-check -q
+STAMP := $(VENV)/.setup-done
+SETUP_INPUTS := Makefile pyproject.toml requirements/sglang-cpu.lock.txt requirements/project.txt \
+	shims/sgl_kernel/pyproject.toml $(wildcard shims/sgl_kernel/src/sgl_kernel/*.py)
+BENCH ?=
+
+.PHONY: setup demo test bench lint clean
+
+setup: $(STAMP)
+
+# Order matters: SGLang's CPU dependency lock first, then sglang itself without its (CUDA)
+# dependencies, then ours, then the import-only sgl_kernel shim, then this project (editable,
+# which registers the plugin's `sglang.srt.plugins` entry point).
+$(STAMP): $(SETUP_INPUTS)
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PIP) install -r requirements/sglang-cpu.lock.txt
+	$(PIP) install --no-deps sglang==0.5.23
+	$(PIP) install -r requirements/project.txt
+	rm -rf shims/sgl_kernel/build
+	$(PIP) install --no-deps --force-reinstall ./shims/sgl_kernel
+	$(PIP) install --no-deps --no-build-isolation -e .
+	$(PY) -m tools.check_env
+	touch $(STAMP)
+
+demo: setup
+	$(PY) -m tools.demo
+
+test: setup
+	$(PY) -m pytest
+
+bench: setup
+	$(PY) -m benchmarks.run $(BENCH)
+
+lint: setup
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+
+clean:
+	rm -rf $(VENV) .cache out
