@@ -1,8 +1,9 @@
 """Per-request capture of aux + final hidden states from SGLang's prefill forwards.
 
 Two hooks, both installed through SGLang's HookRegistry:
-- AFTER `ForwardBatch.init_new`: remember each request's prompt length (the forward batch does
-  not carry it, and chunked prefill needs it to know when a prompt is complete);
+- AFTER `ForwardBatch.init_new`: remember each request's prompt length and whether it was ever
+  retracted (the forward batch carries neither; chunked prefill needs the length to know when a
+  prompt is complete);
 - AFTER `ModelRunner.forward`: for every extend forward, cut the packed aux states
   (`logits_output.hidden_states` [T, n_aux*H]) and the post-norm final states
   (`logits_output.last_hidden_states` [T, H]) per request, copy our requests' rows into their
@@ -36,7 +37,13 @@ LAYER_CONVENTION = (
 
 FORWARD_TARGET = "sglang.srt.model_executor.model_runner.ModelRunner.forward"
 INIT_BATCH_TARGET = "sglang.srt.model_executor.forward_batch_info.ForwardBatch.init_new"
-_PROMPT_LENS_ATTR = "_hidden_capture_prompt_lens"
+_REQUESTS_ATTR = "_hidden_capture_requests"
+
+
+@dataclass(frozen=True)
+class _RequestInfo:
+    prompt_len: int
+    retracted: bool  # prefilled again after a retraction: its prompt may be captured already
 
 
 @dataclass
@@ -56,9 +63,6 @@ class CaptureSession:
         self.writer = DumpWriter(settings.dump_dir, settings.max_pending_bytes)
         self._counter = itertools.count()
         self._open: dict[str, _OpenDump] = {}
-        # Rids already published: a retracted request that is prefilled again must not
-        # produce a second dump. Bounded by the number of requests a server ever sees.
-        self._published: set[str] = set()
         self._layout: dict[str, Any] | None = None
 
     # -- hooks -------------------------------------------------------------------------
@@ -92,7 +96,12 @@ class CaptureSession:
         self, i: int, logits_output: Any, runner: Any, forward_batch: Any
     ) -> dict[str, Any] | None:
         rid = forward_batch.rids[i]
-        if rid in self._published:
+        requests = getattr(forward_batch, _REQUESTS_ATTR, None)
+        if requests is None:
+            raise RuntimeError("request info missing: the ForwardBatch.init_new hook is not active")
+        request = requests[i]
+        if request.retracted and rid not in self._open:
+            # Only decoding requests are retracted, so their prompt was captured already.
             return None
         aux, final = logits_output.hidden_states, logits_output.last_hidden_states
         if aux is None or final is None:
@@ -101,10 +110,7 @@ class CaptureSession:
                 "--enable-return-aux-hidden-states --speculative-algorithm EAGLE3"
             )
         layout = self._layout_for(runner, aux, final)
-        prompt_lens = getattr(forward_batch, _PROMPT_LENS_ATTR, None)
-        if prompt_lens is None:
-            raise RuntimeError("prompt lengths missing: the ForwardBatch.init_new hook is not active")
-        prompt_len = prompt_lens[i]
+        prompt_len = request.prompt_len
 
         row0 = sum(forward_batch.extend_seq_lens_cpu[:i])
         start = forward_batch.extend_prefix_lens_cpu[i]
@@ -126,17 +132,16 @@ class CaptureSession:
             return None
         dump.pending.publish()
         del self._open[rid]
-        self._published.add(rid)
         return {"path": str(dump.pending.path), "index": dump.index}
 
     def _open_dump(self, rid: str, prompt_len: int, layout: dict[str, Any]) -> _OpenDump:
         index = next(self._counter)
         hidden, dtype = layout["hidden_size"], layout["torch_dtype"]
-        tensors = {
-            "aux_hidden_states": ((prompt_len, layout["num_aux"], hidden), dtype),
-            "final_hidden_states": ((prompt_len, hidden), dtype),
+        tensors = {  # widest dtype first: every tensor then starts aligned to its itemsize
             "input_ids": ((prompt_len,), torch.int64),
             "positions": ((prompt_len,), torch.int64),
+            "aux_hidden_states": ((prompt_len, layout["num_aux"], hidden), dtype),
+            "final_hidden_states": ((prompt_len, hidden), dtype),
         }
         meta = {
             "format": DUMP_FORMAT,
@@ -192,8 +197,12 @@ def _is_tp_rank0() -> bool:
     return get_parallel().tp_rank == 0
 
 
-def _record_prompt_lens(forward_batch: Any, cls: type, batch: Any, *args: Any, **kwargs: Any) -> None:
-    setattr(forward_batch, _PROMPT_LENS_ATTR, [len(req.origin_input_ids) for req in batch.reqs])
+def _record_requests(forward_batch: Any, cls: type, batch: Any, *args: Any, **kwargs: Any) -> None:
+    requests = [
+        _RequestInfo(len(req.origin_input_ids), bool(getattr(req, "retracted_stain", False)))
+        for req in batch.reqs
+    ]
+    setattr(forward_batch, _REQUESTS_ATTR, requests)
 
 
 def register(settings: CaptureSettings) -> None:
@@ -201,7 +210,9 @@ def register(settings: CaptureSettings) -> None:
 
     session: CaptureSession | None = None
 
-    def after_forward(output: Any, runner: Any, forward_batch: Any, *args: Any, **kwargs: Any) -> None:
+    def after_forward(
+        output: Any, runner: Any, forward_batch: Any, *args: Any, **kwargs: Any
+    ) -> None:
         # Created lazily: the hook is registered in every SGLang process, but only the
         # scheduler runs forwards, and only it should own a writer thread.
         nonlocal session
@@ -209,5 +220,5 @@ def register(settings: CaptureSettings) -> None:
             session = CaptureSession(settings)
         session.on_forward(output, runner, forward_batch)
 
-    HookRegistry.register(INIT_BATCH_TARGET, _record_prompt_lens, HookType.AFTER)
+    HookRegistry.register(INIT_BATCH_TARGET, _record_requests, HookType.AFTER)
     HookRegistry.register(FORWARD_TARGET, after_forward, HookType.AFTER)

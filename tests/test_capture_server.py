@@ -30,7 +30,7 @@ class Case:
     layer_ids: list[int] | None  # asked of SGLang
     expected_layer_ids: list[int]  # the HF hidden_states indices it must resolve them to
     dtype: str
-    chunked_prefill_size: int | None = None
+    chunked_prefill_size: int  # small, so prompts are split into fragments under batching
 
     @property
     def min_cosine(self) -> float:
@@ -45,11 +45,10 @@ class Case:
 # Llama adds 1 to explicit ids and defaults to [2, L//2, L-3]; DeepSeek takes ids as given
 # unless the first is 1. DeepSeek serves in float32: in bf16 its sigmoid top-k routing flips
 # an expert now and then on near-ties (cosine ~0.95 on that token, exact again in float32),
-# which is rounding, not capture. A small chunk size on DeepSeek forces stitching under
-# batching.
+# which is rounding, not capture.
 CASES = {
-    "llama": Case("llama_path", None, [2, 4, 5], "bfloat16"),
-    "llama-explicit": Case("llama_path", [0, 3, 6], [1, 4, 7], "bfloat16"),
+    "llama": Case("llama_path", None, [2, 4, 5], "bfloat16", chunked_prefill_size=64),
+    "llama-explicit": Case("llama_path", [0, 3, 6], [1, 4, 7], "bfloat16", chunked_prefill_size=40),
     "deepseek": Case("deepseek_path", [0, 1, 3], [0, 1, 3], "float32", chunked_prefill_size=48),
 }
 
@@ -174,8 +173,6 @@ def test_prompt_longer_than_chunked_prefill_is_one_correct_dump(
     capturing: CapturingServer,
 ) -> None:
     chunk = capturing.case.chunked_prefill_size
-    if chunk is None:
-        pytest.skip("this server runs with the default chunk size")
     ids = [t for p in prompts(capturing.model_path, 12) for t in p][: 5 * chunk + 7]
     assert len(ids) > 4 * chunk
     response = generate_and_capture(capturing.server.url, "hsx-long", input_ids=ids)
