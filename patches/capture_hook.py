@@ -23,17 +23,12 @@ from typing import Any
 
 import torch
 
+from patches.dump_format import DUMP_FORMAT, DUMP_FORMAT_VERSION, LAYER_CONVENTION
 from patches.dump_writer import DumpWriter, PendingDump
 from patches.settings import META_INFO_KEY, CaptureSettings
 
 logger = logging.getLogger(__name__)
 
-DUMP_FORMAT = "hidden-capture-dump"
-DUMP_FORMAT_VERSION = 1
-LAYER_CONVENTION = (
-    "aux slot j is the residual stream entering decoder layer layer_ids[j], "
-    "i.e. HF transformers output_hidden_states[layer_ids[j]]"
-)
 
 FORWARD_TARGET = "sglang.srt.model_executor.model_runner.ModelRunner.forward"
 INIT_BATCH_TARGET = "sglang.srt.model_executor.forward_batch_info.ForwardBatch.init_new"
@@ -170,7 +165,7 @@ class CaptureSession:
         if self._layout is None:
             from sglang.srt.runtime_context import get_exec
 
-            layer_ids = sorted(runner.model.model.layers_to_capture)
+            layer_ids = sorted(_layers_to_capture(runner.model))
             hidden = int(final.shape[-1])
             if aux.shape[-1] != len(layer_ids) * hidden:
                 raise RuntimeError(
@@ -189,6 +184,16 @@ class CaptureSession:
                 "architecture": type(runner.model).__name__,
             }
         return self._layout
+
+
+def _layers_to_capture(model: Any) -> list[int]:
+    """SGLang's resolved capture layers; multimodal wrappers (Kimi-K2.5) hold the decoder in
+    `language_model`."""
+    for owner in (model, getattr(model, "language_model", None)):
+        layers = getattr(getattr(owner, "model", None), "layers_to_capture", None)
+        if layers:
+            return list(layers)
+    raise RuntimeError(f"cannot find the capture layers of {type(model).__name__}")
 
 
 def _is_tp_rank0() -> bool:

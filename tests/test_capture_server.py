@@ -12,14 +12,13 @@ from pathlib import Path
 
 import pytest
 import requests
-import torch
 from transformers import AutoTokenizer
 
 from actors.capture_client import CaptureResponse, generate_and_capture, wait_for_dump
 from actors.sglang_server import ServerSpec, SGLangServer
 from patches.dump_writer import read_dump
 from patches.settings import META_INFO_KEY, CaptureSettings
-from tests.hf_reference import min_cosine, reference_states, relative_error
+from tests.hf_reference import Reference, assert_matches, reference_states, relative_error
 
 pytestmark = pytest.mark.slow
 
@@ -126,13 +125,16 @@ def dump_entries(dump_dir: Path) -> list[str]:
     return sorted(p.name for p in dump_dir.iterdir())
 
 
-def assert_matches_reference(
-    case: Case, tensors: dict, reference: tuple[torch.Tensor, torch.Tensor], what: str
-) -> None:
-    for name, expected in zip(("aux_hidden_states", "final_hidden_states"), reference, strict=True):
-        actual = tensors[name]
-        assert min_cosine(actual, expected) >= case.min_cosine, f"{what}: {name} differs from HF"
-        assert relative_error(actual, expected) <= case.max_relative_error, f"{what}: {name}"
+def assert_matches_reference(case: Case, tensors: dict, reference: Reference, what: str) -> None:
+    aux, final = tensors["aux_hidden_states"], tensors["final_hidden_states"]
+    assert_matches(
+        reference,
+        aux,
+        final,
+        min_cos=case.min_cosine,
+        max_error=case.max_relative_error,
+        what=what,
+    )
 
 
 def test_batched_dumps_match_hf_reference_per_prompt(capturing: CapturingServer) -> None:
@@ -154,15 +156,15 @@ def test_batched_dumps_match_hf_reference_per_prompt(capturing: CapturingServer)
         assert aux.shape == (len(ids), len(capturing.case.expected_layer_ids), meta["hidden_size"])
 
         assert_matches_reference(capturing.case, tensors, references[i], f"prompt {i}")
-        ref_aux = references[i][0]
+        ref_aux = references[i].aux
 
         # Misalignment is caught, not just shape: this dump is far closer to its own
         # prompt's reference than to any other prompt's (on the rows they share).
         own = relative_error(aux, ref_aux)
-        for j, (other_aux, _) in enumerate(references):
-            n = min(len(ids), len(other_aux))
+        for j, other in enumerate(references):
+            n = min(len(ids), len(other.aux))
             if j != i and batch[j][:n] != ids[:n]:
-                assert relative_error(aux[:n], other_aux[:n]) > 10 * own, (i, j)
+                assert relative_error(aux[:n], other.aux[:n]) > 10 * own, (i, j)
 
     # SGLang really did batch them (several new sequences in one prefill forward).
     new_seqs = [int(m) for m in re.findall(r"#new-seq: (\d+)", capturing.server.log_tail(10**7))]

@@ -1,0 +1,80 @@
+"""Text-probe calibration: run when a server comes up, and again after every restart.
+
+A real text prompt goes through the server's own tokenizer and the whole capture path (raw
+token ids such as [1] can be invalid for a tokenizer). Its dump tells the server's capture
+counter (whatever was captured before it: warmup is not, foreign traffic may be) and proves
+that the server captures what the store's manifest promises. A mismatch stops the worker.
+"""
+
+from __future__ import annotations
+
+import shutil
+import time
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from actors.capture_client import generate_and_capture, wait_for_dump
+from cluster.store import Manifest
+from patches.dump_writer import read_dump
+
+PROBE_TEXT = "Calibration probe: the capital city of France is Paris, and 2 + 2 = 4."
+# Dump meta fields that must equal the manifest's fields of the same name.
+CAPTURE_FIELDS = ("layer_ids", "layer_convention", "final_state", "hidden_size", "num_aux", "dtype")
+
+
+class CalibrationError(RuntimeError):
+    pass
+
+
+@dataclass(frozen=True)
+class Calibration:
+    offset: int  # the probe's dump counter: this server start's real dumps all come after it
+    probe_tokens: int
+    seconds: float
+
+
+def clear_stale_dumps(dump_dir: Path) -> int:
+    """Remove published dumps left by an earlier server start; returns how many."""
+    stale = list(dump_dir.glob("req_*")) if dump_dir.exists() else []
+    for path in stale:
+        shutil.rmtree(path, ignore_errors=True)
+    return len(stale)
+
+
+def calibrate(
+    url: str, dump_dir: Path, manifest: Manifest, expected_ids: list[int], rid_prefix: str
+) -> Calibration:
+    """`expected_ids`: PROBE_TEXT as the plan's tokenizer encodes it."""
+    started = time.monotonic()
+    clear_stale_dumps(dump_dir)
+    rid = f"{rid_prefix}calibrate-{uuid.uuid4().hex[:12]}"
+    response = generate_and_capture(url, rid, text=PROBE_TEXT)
+    tensors, meta = read_dump(wait_for_dump(response.dump_path))
+    try:
+        problems = [
+            f"{key}: server {meta.get(key)!r} != manifest {getattr(manifest, key)!r}"
+            for key in CAPTURE_FIELDS
+            if meta.get(key) != getattr(manifest, key)
+        ]
+        if meta.get("rid") != rid:
+            problems.append(f"rid: the dump is {meta.get('rid')!r}'s, not the probe's {rid!r}")
+        server_ids = tensors["input_ids"].tolist()
+        if server_ids != expected_ids:
+            problems.append(
+                f"token ids: the server tokenized the probe as {server_ids[:16]}..., the plan's "
+                f"tokenizer as {expected_ids[:16]}... (different tokenizer?)"
+            )
+        for name in ("aux_hidden_states", "final_hidden_states"):
+            if not bool(torch.isfinite(tensors[name]).all()):
+                problems.append(f"{name}: non-finite values in the probe's capture")
+        if problems:
+            raise CalibrationError(
+                "the server's capture does not match the store's manifest:\n  "
+                + "\n  ".join(problems)
+            )
+    finally:
+        shutil.rmtree(response.dump_path, ignore_errors=True)
+    return Calibration(int(meta["index"]), len(server_ids), time.monotonic() - started)

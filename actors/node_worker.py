@@ -1,0 +1,324 @@
+"""The per-node Ray actor: owns one patched SGLang server and turns leased shards into rows.
+
+    worker = NodeWorker.options(resources={"sglang_node": 1}).remote(config, queue)
+    summaries = ray.get(worker.run.remote())     # until the queue has nothing left
+
+run(): start the server (TP = the node's GPUs; CPU flags where there are none) -> calibrate ->
+loop: lease a shard -> K requests in flight -> read + verify each dump -> hand rows to the shard
+writer -> commit -> complete the lease. The server is restarted (bounded, with backoff) and
+calibrated again when it dies; the shard then resumes with its unwritten samples.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import socket
+import threading
+import time
+import uuid
+from collections import Counter
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import ray
+import requests
+import torch
+from transformers import AutoTokenizer
+
+from actors.calibration import PROBE_TEXT, Calibration, calibrate
+from actors.capture_client import CaptureError, generate_and_capture, wait_for_dump
+from actors.dump_verify import DumpMismatch, verify_dump
+from actors.sglang_server import ServerError, ServerSpec, SGLangServer
+from actors.shard_writer import LeaseLost, ShardWriter
+from actors.worker_metrics import WorkerMetrics
+from cluster.shard_queue import Lease
+from cluster.store import Store
+from patches.dump_writer import read_dump
+from patches.settings import CaptureSettings
+
+
+@dataclass(frozen=True)
+class WorkerConfig:
+    model_path: str
+    store_url: str
+    aux_layer_ids: list[int] | None = None
+    tp_size: int | None = None  # None: every GPU of the node (1 on a CPU node)
+    server_args: list[str] = field(default_factory=list)
+    max_total_tokens: int | None = None  # None: SGLang's own sizing on GPU, 8192 on CPU
+    inflight: int = 8  # requests in flight, so SGLang batches them
+    sample_attempts: int = 3  # a sample failing verification this often is recorded as failed
+    server_start_timeout: float = 600.0
+    server_restarts: int = 3
+    restart_backoff: float = 5.0
+    request_timeout: float = 900.0
+    heartbeat_seconds: float = 10.0
+    dump_root: str = "/dev/shm"
+    rid_prefix: str = "hsx-"
+    max_pending_bytes: int = 4 << 30
+    writer_threads: int = 2
+
+
+@dataclass(frozen=True)
+class Captured:
+    aux: torch.Tensor
+    final: torch.Tensor
+    dump_path: Path
+
+
+class LeaseKeeper:
+    """Renews a lease in the background while a shard is processed; `is_current()` asks the
+    queue itself, so the shard writer stops at its next write once the lease is gone."""
+
+    def __init__(self, queue: Any, lease: Lease, interval: float) -> None:
+        self._queue, self._lease, self._interval = queue, lease, interval
+        self._lost = threading.Event()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._beat, daemon=True, name="lease-heartbeat")
+
+    def __enter__(self) -> LeaseKeeper:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+
+    def is_current(self) -> bool:
+        if not self._lost.is_set() and not ray.get(
+            self._queue.heartbeat.remote(self._lease.lease_id)
+        ):
+            self._lost.set()
+        return not self._lost.is_set()
+
+    def _beat(self) -> None:
+        while not self._stop.wait(self._interval) and self.is_current():
+            pass
+
+
+@ray.remote(max_concurrency=4)  # run() is long; status and server_pid answer meanwhile
+class NodeWorker:
+    def __init__(self, config: WorkerConfig, queue: Any, worker_id: str | None = None) -> None:
+        self.config = config
+        self.queue = queue
+        self.id = worker_id or f"{socket.gethostname()}-{os.getpid()}"
+        self.store = Store.open(config.store_url, mode="r+")
+        tokenizer = AutoTokenizer.from_pretrained(config.model_path)
+        self.probe_ids: list[int] = tokenizer(PROBE_TEXT)["input_ids"]
+        self.dump_dir = Path(config.dump_root) / f"hsx-dumps-{self.id}-{uuid.uuid4().hex[:8]}"
+        self.server: SGLangServer | None = None
+        self.calibration: Calibration | None = None
+        self.metrics = WorkerMetrics(self.id)
+        self.restarts = 0
+        self.progress: dict[str, Any] = {"shard": None, "written": 0, "failed": 0}
+        self._http = requests.Session()
+
+    # -- Ray API ------------------------------------------------------------------------------
+
+    def run(self) -> list[dict[str, Any]]:
+        """Process shards until the queue has none left; per-shard summaries."""
+        summaries = []
+        try:
+            self._start_server()
+            while (lease := ray.get(self.queue.acquire.remote(self.id))) is not None:
+                summaries.append(self._process(lease))
+        finally:
+            self.shutdown()
+        return summaries
+
+    def server_pid(self) -> int | None:
+        return self.server.process.pid if self.server and self.server.process else None
+
+    def status(self) -> dict[str, Any]:
+        return {"worker": self.id, "restarts": self.restarts, **self.progress}
+
+    def shutdown(self) -> None:
+        if self.server is not None:
+            self.server.stop()
+            self.server = None
+        shutil.rmtree(self.dump_dir, ignore_errors=True)
+
+    # -- server lifecycle ---------------------------------------------------------------------
+
+    def _start_server(self) -> None:
+        on_gpu = torch.cuda.is_available()
+        spec = ServerSpec(
+            model_path=Path(self.config.model_path),
+            capture=CaptureSettings(
+                self.dump_dir, self.config.rid_prefix, self.config.max_pending_bytes, True
+            ),
+            aux_layer_ids=self.config.aux_layer_ids,
+            tp_size=self.config.tp_size or (torch.cuda.device_count() if on_gpu else 1),
+            max_total_tokens=self.config.max_total_tokens or (None if on_gpu else 8192),
+            extra_args=list(self.config.server_args),
+        )
+        log = Path(self.config.dump_root) / f"hsx-server-{self.id}.log"
+        self.server = SGLangServer(spec, log).start(self.config.server_start_timeout)
+        self.calibration = calibrate(
+            self.server.url,
+            self.dump_dir,
+            self.store.manifest,
+            self.probe_ids,
+            spec.capture.rid_prefix,
+        )
+
+    def _restart_server(self) -> None:
+        """Bounded attempts with backoff; the last failure carries the server's log tail."""
+        assert self.server is not None
+        tail = self.server.log_tail()
+        while True:
+            self.restarts += 1
+            self.metrics.restarts.inc()
+            if self.restarts > self.config.server_restarts:
+                raise ServerError(
+                    f"worker {self.id}: SGLang server died and {self.config.server_restarts} "
+                    f"restarts are used up; its log ended with:\n{tail}"
+                )
+            self.server.stop()
+            time.sleep(self.config.restart_backoff * self.restarts)
+            try:
+                self._start_server()
+                return
+            except ServerError as exc:
+                tail = str(exc)
+
+    # -- one shard ----------------------------------------------------------------------------
+
+    def _process(self, lease: Lease) -> dict[str, Any]:
+        shard = self.store.shards[lease.shard]
+        started = time.monotonic()
+        self.progress = {"shard": shard.index, "written": 0, "failed": 0}
+        ids = np.asarray(self.store.group["input_ids"][shard.token_begin : shard.token_end])
+        planned = {
+            i: ids[self.store.sample_rows(i).start - shard.token_begin :][
+                : int(self.store.sample_length[i])
+            ]
+            for i in range(shard.sample_begin, shard.sample_end)
+        }
+        attempts: Counter[int] = Counter()
+        with LeaseKeeper(self.queue, lease, self.config.heartbeat_seconds) as keeper:
+            writer = ShardWriter(
+                self.store, shard, self.config.writer_threads, is_current=keeper.is_current
+            )
+            try:
+                todo = sorted(planned)
+                while todo:
+                    todo = self._capture_samples(todo, planned, attempts, writer)
+                    if todo:  # the server died with these unwritten
+                        self._restart_server()
+                summary = writer.commit(self._summary(lease, started, writer))
+            except LeaseLost:
+                writer.abort()
+                return {**self._summary(lease, started, writer), "lease_lost": True}
+            except BaseException:
+                writer.abort()
+                ray.get(self.queue.release.remote(lease.lease_id))
+                raise
+        if not ray.get(self.queue.complete.remote(lease.lease_id, summary)):
+            return {**summary, "lease_lost": True}
+        self.metrics.shards.inc()
+        return summary
+
+    def _capture_samples(
+        self,
+        todo: list[int],
+        planned: dict[int, np.ndarray],
+        attempts: Counter[int],
+        writer: ShardWriter,
+    ) -> list[int]:
+        """Keep K requests in flight over `todo` until each sample is written or failed; returns
+        the samples left unwritten because the server died (empty otherwise). Rows are handed
+        to the writer from this thread only, so dumps in memory are bounded by K."""
+        queue, left = list(todo), []
+        with ThreadPoolExecutor(self.config.inflight, thread_name_prefix="capture") as pool:
+            running: dict[Future[Captured], int] = {}
+            while queue or running:
+                while queue and len(running) < self.config.inflight:
+                    i = queue.pop(0)
+                    attempts[i] += 1
+                    running[pool.submit(self._capture_one, i, planned[i], attempts[i])] = i
+                done, _ = wait(running, return_when=FIRST_COMPLETED)
+                for future in done:
+                    i = running.pop(future)
+                    try:
+                        captured = future.result()
+                    except (DumpMismatch, CaptureError, requests.RequestException) as exc:
+                        if isinstance(exc, requests.RequestException) and not self._server_ok():
+                            attempts[i] -= 1  # the server's death is not the sample's fault
+                            left.append(i)
+                        elif attempts[i] < self.config.sample_attempts:
+                            queue.append(i)
+                        else:
+                            writer.mark_failed(i, f"after {attempts[i]} attempts: {exc}")
+                            self.progress["failed"] += 1
+                            self.metrics.failed.inc()
+                        continue
+                    t0 = time.perf_counter()
+                    try:
+                        writer.write_sample(i, captured.aux, captured.final)
+                    finally:
+                        shutil.rmtree(captured.dump_path, ignore_errors=True)
+                    nbytes = captured.aux.nbytes + captured.final.nbytes
+                    self.metrics.record_write(time.perf_counter() - t0, nbytes)
+                    self.progress["written"] += 1
+                if left:  # the server is gone: what is queued waits for its restart
+                    left += queue
+                    queue = []
+        return left
+
+    def _server_ok(self) -> bool:
+        return self.server is not None and self.server.alive() and self.server.healthy()
+
+    def _capture_one(self, i: int, input_ids: np.ndarray, attempt: int) -> Captured:
+        """Prefill sample i and return its verified rows (runs on a capture thread)."""
+        assert self.server is not None and self.calibration is not None
+        rid = f"{self.config.rid_prefix}s{i}-a{attempt}-{uuid.uuid4().hex[:8]}"
+        t0 = time.perf_counter()
+        response = generate_and_capture(
+            self.server.url,
+            rid,
+            input_ids=input_ids.tolist(),
+            timeout=self.config.request_timeout,
+            session=self._http,
+        )
+        t1 = time.perf_counter()
+        try:
+            tensors, meta = read_dump(wait_for_dump(response.dump_path))
+            verify_dump(
+                tensors,
+                meta,
+                rid=rid,
+                input_ids=input_ids,
+                cached_tokens=int(response.meta_info.get("cached_tokens", 0)),
+                manifest=self.store.manifest,
+                calibration=self.calibration,
+            )
+        except BaseException:
+            shutil.rmtree(response.dump_path, ignore_errors=True)
+            raise
+        self.metrics.record_capture(
+            len(input_ids), request=t1 - t0, verify=time.perf_counter() - t1
+        )
+        return Captured(
+            tensors["aux_hidden_states"], tensors["final_hidden_states"], response.dump_path
+        )
+
+    def _summary(self, lease: Lease, started: float, writer: ShardWriter) -> dict[str, Any]:
+        seconds = time.monotonic() - started
+        shard = self.store.shards[lease.shard]
+        tokens = shard.token_end - shard.token_begin
+        return {
+            "shard": shard.index,
+            "worker": self.id,
+            "samples": shard.sample_end - shard.sample_begin,
+            "written": self.progress["written"],
+            "failed": self.progress["failed"],
+            "tokens": tokens,
+            "seconds": round(seconds, 3),
+            "tokens_per_s": round(tokens / seconds, 1) if seconds else None,
+            "bytes_written": writer.bytes_written,
+            "server_restarts": self.restarts,
+        }

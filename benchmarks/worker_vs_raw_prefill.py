@@ -1,0 +1,130 @@
+"""Node-worker extraction tokens/s vs the raw prefill tokens/s of the same patched server.
+
+Raw: a plain concurrent client (K in flight) prefills the prompts on a patched server started
+with the worker's own flags, using rids the plugin does not capture. Worker: a NodeWorker on a
+local Ray leases the shards of a store planned from the same prompts and runs them end to end
+(its own server, calibration, K in flight, dumps on /dev/shm read and verified, store writes,
+commits); its tokens/s counts from its first lease to its last commit, with the store on the
+repo's disk (.cache/). Rounds alternate; best of each.
+
+    make bench BENCH=worker_vs_raw_prefill
+"""
+
+from __future__ import annotations
+
+import argparse
+import shutil
+import tempfile
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import numpy as np
+import ray
+import requests
+import torch
+
+from actors.node_worker import NodeWorker, WorkerConfig
+from actors.sglang_server import ServerSpec, SGLangServer
+from cluster.layers import expected_capture
+from cluster.shard_queue import ShardQueueActor
+from cluster.store import create_store, make_manifest
+from patches.settings import CaptureSettings
+from tools.tiny_models import ensure_models
+
+TARGET = 0.85
+
+
+def raw_prefill_tokens_per_s(
+    model: Path, prompts: list[list[int]], inflight: int, work: Path, tag: str
+) -> float:
+    # The worker's server flags: WorkerConfig's defaults on a CPU node.
+    capture = CaptureSettings(work / "raw-dumps", "hsx-", 1 << 30, mla_cpu_fix=True)
+    spec = ServerSpec(model_path=model, capture=capture, max_total_tokens=8192)
+
+    def send(i: int) -> None:
+        payload = {"rid": f"raw-{tag}-{i}", "input_ids": prompts[i]}
+        payload["sampling_params"] = {"max_new_tokens": 1}
+        requests.post(url + "/generate", json=payload, timeout=600).raise_for_status()
+
+    with SGLangServer(spec, work / f"raw-{tag}.log") as server:
+        url = server.url
+        with ThreadPoolExecutor(inflight) as pool:
+            list(pool.map(send, range(inflight)))  # warm up
+            start = time.perf_counter()
+            list(pool.map(send, range(len(prompts))))
+            seconds = time.perf_counter() - start
+    return sum(map(len, prompts)) / seconds
+
+
+def worker_tokens_per_s(
+    model: Path, prompts: list[list[int]], args: argparse.Namespace, work: Path, tag: str
+) -> float:
+    url = Path(tempfile.mkdtemp(prefix="worker_vs_raw-store-", dir=".cache")) / "store.zarr"
+    manifest = make_manifest(
+        str(model),
+        model,
+        expected_capture(model, None, "bfloat16"),
+        max_length=4096,
+        samples_per_shard=args.per_shard,
+    )
+    ids = [np.asarray(p, np.int32) for p in prompts]
+    masks = [np.ones(len(p), np.uint8) for p in prompts]
+    store = create_store(url, manifest, [f"s{i}" for i in range(len(ids))], ids, masks)
+    queue = ShardQueueActor.remote(range(len(store.shards)), lease_seconds=120)
+    config = WorkerConfig(
+        model_path=str(model), store_url=str(url), inflight=args.inflight, dump_root=str(work)
+    )
+    worker = NodeWorker.options(resources={"sglang_node": 1}).remote(config, queue)
+    try:
+        summaries = ray.get(worker.run.remote())
+    finally:
+        shutil.rmtree(url.parent, ignore_errors=True)
+    if any(s.get("failed") or s.get("lease_lost") for s in summaries):
+        raise RuntimeError(f"the worker did not write every sample: {summaries}")
+    # Its own clock: from the first lease to the last commit (server start-up excluded).
+    seconds = sum(s["seconds"] for s in summaries)
+    return sum(s["tokens"] for s in summaries) / seconds
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--prompts", type=int, default=64)
+    parser.add_argument("--length", type=int, default=512)
+    parser.add_argument("--inflight", type=int, default=8)
+    parser.add_argument("--per-shard", type=int, default=32)
+    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--models", type=Path, default=Path(".cache/models"))
+    args = parser.parse_args()
+
+    model = ensure_models(args.models, ["llama-bench"])["llama-bench"]
+    g = torch.Generator().manual_seed(0)
+    prompts = [
+        torch.randint(10, 1024, (args.length,), generator=g).tolist() for _ in range(args.prompts)
+    ]
+    work = Path(tempfile.mkdtemp(prefix="worker_vs_raw-", dir="/dev/shm"))
+    raw, extraction = [], []
+    ray.init(address="local", num_cpus=2, resources={"sglang_node": 1}, include_dashboard=False)
+    try:
+        for r in range(args.rounds):
+            raw.append(raw_prefill_tokens_per_s(model, prompts, args.inflight, work, f"r{r}"))
+            extraction.append(worker_tokens_per_s(model, prompts, args, work, f"r{r}"))
+    finally:
+        ray.shutdown()
+        shutil.rmtree(work, ignore_errors=True)
+
+    ratio = max(extraction) / max(raw)
+    print(f"{args.prompts} prompts x {args.length} tokens, K={args.inflight} in flight")
+    print(
+        f"  raw prefill   {max(raw):8.0f} tokens/s  (rounds: {' '.join(f'{v:.0f}' for v in raw)})"
+    )
+    print(
+        f"  worker        {max(extraction):8.0f} tokens/s  "
+        f"(rounds: {' '.join(f'{v:.0f}' for v in extraction)})"
+    )
+    print(f"  ratio         {ratio:8.3f}  (target >= {TARGET})")
+    print(f"RESULT name=worker_vs_raw_prefill value={ratio:.3f} target={TARGET} unit=ratio")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,1022 @@
+"""Capture dump writer: publish per-request hidden-state dumps without blocking the forward.
+
+A dump is a directory ``root/<name>`` holding ``tensors.safetensors`` and ``meta.json``. It is
+built in ``root/.tmp-<name>`` and published with one ``os.rename``, so a reader never sees a
+partial dump (every dot-prefixed entry under ``root`` is private to the writer).
+
+Data path with CUDA (the ring): the writer keeps a few *regions*, files under ``root/.ring/`` that
+it maps (MAP_SHARED) and registers with ``cudaHostRegister`` once, when it makes them; they stay
+registered until ``close()``. A dump takes one free region: its safetensors header is written at
+the start, ``fill()`` copies device rows straight into it (D2H on a side stream, no host copy),
+and publishing moves the region file into the dump dir. The file always spans the whole region:
+the header lists the real tensors and one trailing ``__pad__`` (uint8) tensor covering the rest,
+so a pinned mapping is never truncated. ``read_dump`` hides ``__pad__``.
+
+Recycling is a file-rename protocol, so the consumer may be another process: once done with a
+dump, the consumer calls ``release_dump(path)``, which renames its tensors file back into
+``root/.ring/`` (same tmpfs: same inode, so the writer's pinned mapping stays valid) and removes
+the dump dir. The writer notices the inode in ``.ring/`` (polling it, or told directly when the
+release happens in its own process) and reuses the region. A consumer that deletes a dump instead
+(``rmtree``) leaks its region: the writer sees the inode's link count drop to 0, warns once and
+makes a replacement; only if leaked regions exceed ``max_pending_bytes`` does it unregister them
+(which waits for the whole GPU to go idle: the reason regions are otherwise never unregistered).
+
+Why not unregister per dump: ``cudaHostUnregister`` waits until the whole GPU has drained
+(~0.45 s behind 0.5 s of queued matmuls, on any stream); a design that pinned and unpinned a file
+per dump sustained ~8 GB/s and slowed concurrent compute 6.5-25 %. Why not a pinned staging
+buffer plus a host copy into a plain file (the fallback below): the host copy caps it at
+~8-10 GB/s. See benchmarks/dump_writer_gpu.py.
+
+Without CUDA (or when registering a mapping on ``root`` fails, e.g. root is not tmpfs) the writer
+uses the simple path: a staging buffer (pinned with CUDA) and a multi-threaded copy into a plain
+file of exactly the dump's size; ``release_dump`` then just deletes the dump.
+
+Must not import sglang: it is loaded inside the server and by offline readers alike.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import json
+import logging
+import math
+import mmap
+import os
+import shutil
+import threading
+import time
+import uuid
+import weakref
+from collections import deque
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger(__name__)
+
+_ST_DTYPES: dict[torch.dtype, str] = {
+    torch.bool: "BOOL",
+    torch.uint8: "U8",
+    torch.int8: "I8",
+    torch.int16: "I16",
+    torch.int32: "I32",
+    torch.int64: "I64",
+    torch.float16: "F16",
+    torch.bfloat16: "BF16",
+    torch.float32: "F32",
+    torch.float64: "F64",
+    torch.float8_e4m3fn: "F8_E4M3",
+    torch.float8_e5m2: "F8_E5M2",
+}
+# Data starts page-aligned (the header is padded with spaces, which safetensors allows), so every
+# tensor is as aligned as its offset within the data allows.
+_ALIGN = 4096
+_CHUNK = 16 << 20  # smallest piece one copy thread takes
+PAD_KEY = "__pad__"  # ring dumps: uint8 tensor filling the region after the real tensors
+RING_DIR = ".ring"
+_MIN_REGION = 64 << 20  # smallest region made (unless max_pending_bytes is smaller)
+_MADV_POPULATE_WRITE = 23
+_libc = ctypes.CDLL(None, use_errno=True)
+
+
+def _layout(
+    tensors: dict[str, tuple[tuple[int, ...], torch.dtype]],
+    pad_to: int | None = None,
+) -> tuple[bytes, dict[str, tuple[int, int]]]:
+    """Safetensors header (length prefix included) and each tensor's (start, end) in the file.
+
+    With ``pad_to``, a uint8 ``__pad__`` tensor follows the real ones so that the file is exactly
+    ``pad_to`` bytes long (``ValueError`` if they do not fit)."""
+    entries: dict[str, dict] = {}
+    spans: dict[str, tuple[int, int]] = {}
+    off = 0
+    for key, (shape, dtype) in tensors.items():
+        if key == PAD_KEY:
+            raise ValueError(f"{PAD_KEY} is reserved")
+        n = math.prod(shape) * dtype.itemsize
+        if off % dtype.itemsize:  # typed views need it; safetensors' own writer sorts for it
+            raise ValueError(
+                f"{key} starts at data offset {off}, not a multiple of its itemsize; "
+                "order tensors by decreasing itemsize"
+            )
+        entries[key] = {
+            "dtype": _ST_DTYPES[dtype],
+            "shape": list(shape),
+            "data_offsets": [off, off + n],
+        }
+        spans[key] = (off, off + n)
+        off += n
+
+    def encode(pad: int | None) -> bytes:
+        e = entries
+        if pad is not None:
+            e = entries | {
+                PAD_KEY: {"dtype": "U8", "shape": [pad], "data_offsets": [off, off + pad]}
+            }
+        h = json.dumps(e, separators=(",", ":")).encode()
+        return h + b" " * ((-(8 + len(h))) % _ALIGN)
+
+    if pad_to is None:
+        hdr = encode(None)
+    else:
+        pad = pad_to  # as many digits as any real pad: the header can only shrink from here
+        for _ in range(4):
+            hdr = encode(pad)
+            new = pad_to - 8 - len(hdr) - off
+            if new < 0:
+                raise ValueError(f"dump needs {8 + len(hdr) + off} bytes, region has {pad_to}")
+            if new == pad:
+                break
+            pad = new
+        else:  # pragma: no cover - the padded header length converges in two steps
+            raise AssertionError("header length did not converge")
+    base = 8 + len(hdr)
+    spans = {k: (s + base, e + base) for k, (s, e) in spans.items()}
+    return len(hdr).to_bytes(8, "little") + hdr, spans
+
+
+def _ring_need(tensors: dict[str, tuple[tuple[int, ...], torch.dtype]]) -> int:
+    """Smallest region that holds these tensors plus a ``__pad__`` entry of any length."""
+    header, spans = _layout(tensors, 1 << 62)  # 19-digit pad: the longest header
+    return max([len(header), *(e for _, e in spans.values())])
+
+
+def _size_class(n: int, floor: int) -> int:
+    """Region sizes come in few classes (2**k and 1.5 * 2**k), so growth adds few regions."""
+    n = max(n, floor)
+    k = 1 << (n - 1).bit_length()
+    return -(-(k * 3 // 4 if k * 3 // 4 >= n else k) // _ALIGN) * _ALIGN
+
+
+def _populate(ptr: int, nbytes: int, workers: ThreadPoolExecutor, n: int = 8) -> None:
+    """Allocate the pages and build the page tables of a shared mapping from n threads
+    (MADV_POPULATE_WRITE; ctypes releases the GIL). Best effort: registration faults in the rest."""
+    step = max(-(-nbytes // n // _ALIGN) * _ALIGN, _ALIGN)
+    jobs = [
+        workers.submit(
+            _libc.madvise,
+            ctypes.c_void_p(p),
+            ctypes.c_size_t(min(step, ptr + nbytes - p)),
+            _MADV_POPULATE_WRITE,
+        )
+        for p in range(ptr, ptr + nbytes, step)
+    ]
+    for j in jobs:
+        j.result()
+
+
+def _register(ptr: int, nbytes: int) -> bool:
+    """Page-lock host memory for DMA (tests without CUDA replace this and ``_unregister``)."""
+    cudart = torch.cuda.cudart()
+    return cudart.cudaHostRegister(ptr, nbytes, 1) == cudart.cudaError.success  # portable
+
+
+def _unregister(ptr: int) -> None:
+    torch.cuda.cudart().cudaHostUnregister(ptr)
+
+
+class _Region:
+    """A file under ``root/.ring`` mapped MAP_SHARED and registered with CUDA once; it keeps its
+    inode (and so the mapping) through renames, whichever directory holds it."""
+
+    def __init__(self, ring: Path, nbytes: int, workers: ThreadPoolExecutor) -> None:
+        self.capacity = nbytes
+        self.path = ring / f"new-{uuid.uuid4().hex}"  # scans only look at free-*
+        self.state = "new"  # -> free -> open -> published -> free ... | leaked
+        self.registered = False
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o644)
+        self.fd = fd
+        self.mm: mmap.mmap | None = None
+        self.buf: torch.Tensor | None = None
+        try:
+            st = os.fstat(fd)
+            self.key = (st.st_dev, st.st_ino)
+            os.ftruncate(fd, nbytes)
+            os.posix_fallocate(fd, 0, nbytes)  # GIL released
+            self.mm = mmap.mmap(fd, nbytes, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+            self.buf = torch.frombuffer(self.mm, dtype=torch.uint8)
+            _populate(self.buf.data_ptr(), nbytes, workers)
+            if not _register(self.buf.data_ptr(), nbytes):
+                raise OSError(f"cudaHostRegister of {nbytes} bytes on {ring} failed")
+            self.registered = True
+        except BaseException:
+            self.destroy()
+            raise
+
+    def links(self) -> int:
+        return os.fstat(self.fd).st_nlink
+
+    def destroy(self, unlink: bool = True) -> None:
+        """Unregister (waits for the GPU to go idle), unmap, close; unlink if still ours."""
+        if self.registered and self.buf is not None:
+            _unregister(self.buf.data_ptr())
+            self.registered = False
+        self.buf = None
+        if self.mm is not None:
+            with contextlib.suppress(BufferError):  # a view still lives: the GC unmaps it
+                self.mm.close()
+            self.mm = None
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
+        if unlink:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(self.path)
+
+
+class _File:
+    """A file on ``root`` whose pages are allocated (``fallocate``), made ahead by a pool thread
+    so that neither the forward nor the publisher pays for zeroing fresh tmpfs pages."""
+
+    def __init__(self, dirpath: Path, nbytes: int) -> None:
+        dirpath.mkdir()
+        self.dir = dirpath
+        self.capacity = nbytes
+        fd = os.open(dirpath / "tensors.safetensors", os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o644)
+        try:
+            os.ftruncate(fd, nbytes)
+            os.posix_fallocate(fd, 0, nbytes)  # GIL released
+        finally:
+            os.close(fd)
+
+    def discard(self) -> None:
+        shutil.rmtree(self.dir, ignore_errors=True)
+
+
+def _write(path: Path, src: torch.Tensor, workers: ThreadPoolExecutor, nthreads: int) -> None:
+    """Copy the uint8 tensor ``src`` into the file at ``path`` (exactly as long) from several
+    threads: through a shared mapping, since tmpfs serializes write() per file."""
+    n = src.numel()
+    fd = os.open(path, os.O_RDWR)
+    try:
+        mm = mmap.mmap(fd, n, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+    finally:
+        os.close(fd)
+    try:
+        buf = (ctypes.c_char * n).from_buffer(mm)
+        dst, s = ctypes.addressof(buf), src.data_ptr()
+        step = max(-(-n // nthreads // _ALIGN) * _ALIGN, _CHUNK)
+        # ctypes calls release the GIL, so the pieces run in parallel
+        jobs = [
+            workers.submit(ctypes.memmove, dst + a, s + a, min(step, n - a))
+            for a in range(0, n, step)
+        ]
+        for j in jobs:
+            j.result()
+        del buf
+    finally:
+        mm.close()
+
+
+class PendingDump:
+    """One dump being filled. Views are valid until ``publish()``/``abort()``."""
+
+    def __init__(
+        self,
+        writer: DumpWriter,
+        name: str,
+        file: _File | None,
+        header: bytes,
+        spans: dict[str, tuple[int, int]],
+        tensors: dict[str, tuple[tuple[int, ...], torch.dtype]],
+        meta: dict,
+        nbytes: int,
+        seq: int,
+        region: _Region | None = None,
+    ) -> None:
+        self.seq = seq
+        self.path = writer.root / name
+        self.tmp = writer.root / f".tmp-{name}"
+        self.nbytes = nbytes  # file size (a ring dump: the region's capacity)
+        self.meta = meta
+        self.specs = tensors
+        self._writer = writer
+        self._file = file
+        self._region = region
+        self._events: list[torch.cuda.Event] = []
+        self._state = "open"  # -> "published" | "aborted"
+        if region is not None:
+            # The region is registered: the DMA lands in the dump itself.
+            self._staging: torch.Tensor | None = None
+            assert region.buf is not None
+            raw = region.buf
+        else:
+            # Pinned memory comes from torch's caching host allocator: after the first dumps of
+            # a size, taking a buffer is a free-list lookup, not a cudaHostAlloc.
+            self._staging = torch.empty(nbytes, dtype=torch.uint8, pin_memory=writer.pin)
+            raw = self._staging
+        raw[: len(header)].copy_(torch.frombuffer(bytearray(header), dtype=torch.uint8))
+        self.views: dict[str, torch.Tensor] = {
+            k: raw[spans[k][0] : spans[k][1]].view(dtype).view(shape)
+            for k, (shape, dtype) in tensors.items()
+        }
+        self._views = self.views
+        # Reused buffers hold old bytes: rows that fill() never covered are zeroed at publish
+        # (off the forward thread) instead of zeroing every buffer up front.
+        self._filled = {
+            k: torch.zeros(v.shape[0] if v.dim() else 1, dtype=torch.bool)
+            for k, v in self.views.items()
+        }
+
+    def fill(self, key: str, row_start: int, src: torch.Tensor) -> None:
+        """Copy ``src`` into rows ``[row_start, row_start + len(src))`` of ``views[key]``.
+
+        A CUDA source is copied on a side stream that first waits for the current stream, so the
+        rows are complete when the copy starts and the forward stream never waits for the copy.
+        """
+        if self._state != "open":
+            raise RuntimeError(f"fill() on a {self._state} dump")
+        dst = self.views[key][row_start : row_start + src.shape[0]]
+        if dst.shape != src.shape or dst.dtype != src.dtype:
+            raise ValueError(
+                f"{key}: rows from {row_start}: {tuple(dst.shape)} {dst.dtype} "
+                f"<- {tuple(src.shape)} {src.dtype}"
+            )
+        self._filled[key][row_start : row_start + src.shape[0]] = True
+        if src.device.type != "cuda":
+            dst.copy_(src)
+            return
+        if not self._writer.pin:
+            self._writer._warn_unpinned()
+        side = self._writer._side_stream(src.device)
+        side.wait_stream(torch.cuda.current_stream(src.device))
+        with torch.cuda.stream(side):
+            dst.copy_(src, non_blocking=True)
+            ev = torch.cuda.Event(blocking=True)  # the publisher sleeps, not spins, on it
+            ev.record(side)
+        src.record_stream(side)  # the caching allocator must not reuse src before the copy ends
+        self._events.append(ev)
+
+    def publish(self, extra_meta: dict | None = None) -> None:
+        """Hand the dump to the background thread, which makes it visible at ``path`` atomically."""
+        if self._state != "open":
+            raise RuntimeError(f"publish() on a {self._state} dump")
+        self._state = "published"
+        if extra_meta:
+            self.meta = self.meta | extra_meta
+        self.views = {}
+        self._writer._submit(self)
+
+    def abort(self) -> None:
+        """Discard the dump: its bytes are freed and its tmp dir removed in the background."""
+        if self._state != "open":
+            raise RuntimeError(f"abort() on a {self._state} dump")
+        self._state = "aborted"
+        self.views = {}
+        self._writer._submit(self)
+
+    def _finish(self) -> None:
+        """Runs on the publisher thread."""
+        for ev in self._events:
+            ev.synchronize()  # releases the GIL while the DMA finishes
+        self._events = []
+        staging, self._staging = self._staging, None
+        if self._state == "aborted":
+            self._views = {}
+            if self._region is not None:
+                self._writer._return_region(self._region)
+                shutil.rmtree(self.tmp, ignore_errors=True)
+            else:
+                assert self._file is not None
+                self._file.discard()
+            return
+        for k, filled in self._filled.items():
+            # A key never passed to fill() was written through its view: leave it alone.
+            if filled.any() and not filled.all():
+                log.warning("DumpWriter: %s: %s has unfilled rows, zeroed", self.path, k)
+                v = self._views[k]
+                (v.view(1, *v.shape) if v.dim() == 0 else v)[~filled] = 0
+        self._views = {}
+        if self._region is None:
+            assert self._file is not None and staging is not None
+            path = self.tmp / "tensors.safetensors"
+            if self._file.capacity > self.nbytes:
+                os.truncate(path, self.nbytes)
+            _write(path, staging, self._writer._workers, self._writer._copy_threads)
+        meta = dict(self.meta)
+        meta["tensors"] = {
+            k: {"shape": list(shape), "dtype": str(dtype).removeprefix("torch.")}
+            for k, (shape, dtype) in self.specs.items()
+        }
+        (self.tmp / "meta.json").write_text(json.dumps(meta))
+        if self._region is not None:
+            self._writer._published(self._region, self.path / "tensors.safetensors")
+        os.rename(self.tmp, self.path)
+
+
+_WRITERS: weakref.WeakSet[DumpWriter] = weakref.WeakSet()  # live ring writers of this process
+
+
+class DumpWriter:
+    """Publishes dumps under ``root`` from background threads. One writer per ``root``.
+
+    ``max_pending_bytes`` bounds the memory the dumps hold, and ``open()`` blocks beyond it
+    (nothing is dropped; a dump larger than the bound still proceeds once it is alone):
+
+    - ring (CUDA, root on tmpfs): the pinned regions together, i.e. dumps opened and not yet
+      published *plus dumps published and not yet released* with ``release_dump``. A consumer that
+      never releases eventually stalls ``open()``. ``pending_bytes`` is the capacity of the
+      regions in use. Regions come in size classes (2**k, 1.5 * 2**k; at least 64 MiB or
+      ``max_pending_bytes``) sized to the largest dump seen; when a dump outgrows every region a
+      bigger one is added even past the bound, and outgrown regions keep serving smaller dumps
+      until ``close()`` (never unregistered mid-run).
+    - otherwise: dumps opened and not yet published (published dumps are plain files).
+
+    ``device``: the CUDA device whose tensors will be dumped (default: the current one when CUDA is
+    available). ``ring``: use registered regions (default: when ``device`` is CUDA; falls back
+    with a warning if ``root`` cannot be registered). ``pool``: regions (or, without the ring,
+    files) kept free ahead, made by ``pool_threads`` threads, as large as the largest dump seen
+    or, from the start, ``region_bytes`` (tensor bytes of the largest dump expected; a header page
+    is added): pass it to make the regions at construction rather than on the first dumps'
+    forward thread (each 470 MB region takes ~0.15 s: allocate, populate, register).
+    ``copy_threads``: threads populating a region's pages, or (no ring) copying a staged dump into
+    its file. ``scan_interval``: how often the ring looks for released regions while dumps are
+    out (releases made in this process are seen at once)."""
+
+    def __init__(
+        self,
+        root: Path,
+        max_pending_bytes: int = 2 << 30,
+        *,
+        device: torch.device | int | str | None = None,
+        pool: int = 2,
+        pool_threads: int = 2,
+        copy_threads: int = 8,
+        region_bytes: int = 0,
+        ring: bool | None = None,
+        scan_interval: float = 0.005,
+    ) -> None:
+        self.root = Path(root)
+        self.root.mkdir(parents=True, exist_ok=True)
+        self.max_pending_bytes = max_pending_bytes
+        if device is None and torch.cuda.is_available():
+            device = torch.cuda.current_device()
+        if isinstance(device, int):
+            device = torch.device("cuda", device)
+        self.device = torch.device(device) if device is not None else None
+        self.pin = self.device is not None and self.device.type == "cuda"
+        self._pool_size = max(pool, 0)
+        # region_bytes counts tensor bytes: a dump's file also holds a header (one page, mostly)
+        self._region_bytes = -(-region_bytes // _ALIGN) * _ALIGN + _ALIGN if region_bytes else 0
+        self._cv = threading.Condition()
+        self._queue: deque[PendingDump] = deque()
+        self._ready: list[_File] = []
+        self._making = 0  # files/regions being made by pool threads
+        self._wanted = 0  # open() calls waiting for a file
+        self._outstanding: set[int] = set()  # seq of opened, not yet finished dumps
+        self._seq = 0
+        self._seq_file = 0
+        self._pending = 0
+        self._error: BaseException | None = None
+        self._closed = False
+        self._streams: dict[int, torch.cuda.Stream] = {}
+        self._warned_unpinned = False
+        self._copy_threads = max(copy_threads, 1)
+        self._workers = ThreadPoolExecutor(self._copy_threads, "dump-writer-copy")
+        # ring state (all under self._cv)
+        self._ring_dir = self.root / RING_DIR
+        shutil.rmtree(self._ring_dir, ignore_errors=True)  # a dead writer's regions
+        self._ring = bool(self.pin if ring is None else ring) and self._probe_ring()
+        self._ring_dev = os.stat(self._ring_dir).st_dev if self._ring else -1
+        self._regions: dict[int, _Region] = {}  # by inode: live, in use and leaked
+        self._free: list[_Region] = []
+        self._making_sizes: list[int] = []
+        self._needs: list[int] = []  # sizes open() calls wait for
+        self._reclaim: list[_Region] = []
+        self._floor = max(min(_MIN_REGION, -(-max_pending_bytes // _ALIGN) * _ALIGN), _ALIGN)
+        self._class = self._region_bytes if self._ring else 0
+        self.leaked_bytes = 0
+        self.released = 0  # regions seen back from consumers
+        self._warned_leak = False
+        self._interval = scan_interval
+        self._threads = [threading.Thread(target=self._publisher, name="dump-writer", daemon=True)]
+        self._threads += [
+            threading.Thread(target=self._pooler, name=f"dump-writer-pool{i}", daemon=True)
+            for i in range(max(pool_threads, 1))
+        ]
+        if self._ring:
+            self._threads.append(
+                threading.Thread(target=self._scanner, name="dump-writer-scan", daemon=True)
+            )
+            _WRITERS.add(self)
+        for t in self._threads:
+            t.start()
+        if self.pin and self._region_bytes and not self._ring:
+            # Pin the staging buffers once, now, rather than on the first dumps' forward thread.
+            k = max(1, min(4, max_pending_bytes // self._region_bytes))
+            bufs = [
+                torch.empty(self._region_bytes, dtype=torch.uint8, pin_memory=True)
+                for _ in range(k)
+            ]
+            del bufs
+
+    @property
+    def pending_bytes(self) -> int:
+        return self._pending
+
+    @property
+    def ring(self) -> bool:
+        """Whether dumps land in registered, recycled regions."""
+        return self._ring
+
+    def ring_stats(self) -> dict[str, int]:
+        with self._cv:
+            live = [r for r in self._regions.values() if r.state != "leaked"]
+            return {
+                "regions": len(live),
+                "free": len(self._free),
+                "bytes": sum(r.capacity for r in live),
+                "leaked_bytes": self.leaked_bytes,
+                "released": self.released,
+            }
+
+    # -- forward-thread API ---------------------------------------------------------------------
+    def open(
+        self,
+        name: str,
+        tensors: dict[str, tuple[tuple[int, ...], torch.dtype]],
+        meta: dict,
+    ) -> PendingDump:
+        if not name or "/" in name or name.startswith(".") or name in ("..",):
+            raise ValueError(f"bad dump name {name!r}")
+        if (self.root / name).exists() or (self.root / f".tmp-{name}").exists():
+            raise FileExistsError(self.root / name)
+        tensors = {k: (tuple(s), d) for k, (s, d) in tensors.items()}
+        if self._ring:
+            return self._open_region(name, tensors, meta)
+        header, spans = _layout(tensors)
+        nbytes = max([len(header), *(e for _, e in spans.values())])
+        with self._cv:
+            self._raise_error()
+            # Back-pressure; a dump larger than the bound still proceeds once it is alone.
+            while self._pending and self._pending + nbytes > self.max_pending_bytes:
+                self._cv.wait()
+                self._raise_error()
+            if self._closed:
+                raise RuntimeError("DumpWriter is closed")
+            self._region_bytes = max(self._region_bytes, -(-nbytes // _ALIGN) * _ALIGN)
+            self._wanted += 1
+            try:
+                while True:  # files come from the pool threads; wait if none fits yet
+                    fits = [f for f in self._ready if f.capacity >= nbytes]
+                    if fits:
+                        file = min(fits, key=lambda f: f.capacity)
+                        self._ready.remove(file)
+                        break
+                    self._cv.notify_all()
+                    self._cv.wait()
+                    self._raise_error()
+            finally:
+                self._wanted -= 1
+                self._cv.notify_all()  # pool threads refill
+            self._pending += nbytes
+            self._seq += 1
+            seq = self._seq
+            self._outstanding.add(seq)
+        tmp = self.root / f".tmp-{name}"
+        try:
+            os.rename(file.dir, tmp)
+            file.dir = tmp
+            return PendingDump(self, name, file, header, spans, tensors, dict(meta), nbytes, seq)
+        except BaseException:
+            file.discard()
+            self._done(seq, nbytes)
+            raise
+
+    def _open_region(
+        self, name: str, tensors: dict[str, tuple[tuple[int, ...], torch.dtype]], meta: dict
+    ) -> PendingDump:
+        need = _ring_need(tensors)
+        with self._cv:
+            self._raise_error()
+            if self._closed:
+                raise RuntimeError("DumpWriter is closed")
+            if need > self._class:
+                self._class = _size_class(need, self._floor)
+            self._needs.append(need)
+            self._cv.notify_all()
+            waited, warned = time.monotonic(), False
+            try:
+                while True:
+                    region = self._take_free(need)
+                    if region is None:
+                        self._scan_locked()
+                        region = self._take_free(need)
+                    if region is not None:
+                        break
+                    self._cv.wait(0.002)
+                    self._raise_error()
+                    if self._closed:
+                        raise RuntimeError("DumpWriter is closed")
+                    if not warned and time.monotonic() - waited > 30:
+                        warned = True
+                        log.warning(
+                            "DumpWriter: open(%s) has waited 30 s for a free region: are "
+                            "consumers calling release_dump()? (%s)",
+                            name,
+                            self.ring_stats(),
+                        )
+            finally:
+                self._needs.remove(need)
+                self._cv.notify_all()
+            region.state = "open"
+            self._pending += region.capacity
+            self._seq += 1
+            seq = self._seq
+            self._outstanding.add(seq)
+        tmp = self.root / f".tmp-{name}"
+        try:
+            tmp.mkdir()
+            dst = tmp / "tensors.safetensors"
+            os.rename(region.path, dst)
+            region.path = dst
+            header, spans = _layout(tensors, region.capacity)
+            return PendingDump(
+                self, name, None, header, spans, tensors, dict(meta), region.capacity, seq, region
+            )
+        except BaseException:
+            self._return_region(region)
+            shutil.rmtree(tmp, ignore_errors=True)
+            self._done(seq, 0)
+            raise
+
+    def flush(self, timeout: float | None = None) -> None:
+        """Wait until every dump opened so far is published or aborted."""
+        with self._cv:
+            upto = self._seq
+            ok = self._cv.wait_for(
+                lambda: self._error is not None or not any(s <= upto for s in self._outstanding),
+                timeout,
+            )
+            self._raise_error()
+            if not ok:
+                raise TimeoutError(f"{len(self._outstanding)} dumps still pending after {timeout}s")
+
+    def close(self, timeout: float | None = None) -> None:
+        """Flush, stop the threads, and give the ring back: free regions are deleted, published
+        ones stay readable as plain files (``release_dump`` then deletes them)."""
+        try:
+            self.flush(timeout)
+        finally:
+            with self._cv:
+                self._closed = True
+                self._cv.notify_all()
+            for t in self._threads:
+                t.join(timeout)
+            for f in self._ready:
+                f.discard()
+            self._ready = []
+            if self._ring:
+                _WRITERS.discard(self)
+                with self._cv:
+                    self._scan_locked()
+                    regions = [*self._regions.values(), *self._reclaim]
+                    self._regions, self._free, self._reclaim = {}, [], []
+                    self._ring = False  # later scans and releases see no ring
+                for r in regions:
+                    r.destroy(unlink=r.state in ("free", "new"))
+                shutil.rmtree(self._ring_dir, ignore_errors=True)
+            self._workers.shutdown()
+
+    # -- internals ------------------------------------------------------------------------------
+    def _side_stream(self, device: torch.device) -> torch.cuda.Stream:
+        idx = device.index if device.index is not None else torch.cuda.current_device()
+        s = self._streams.get(idx)
+        if s is None:
+            s = self._streams[idx] = torch.cuda.Stream(device=idx)
+        return s
+
+    def _warn_unpinned(self) -> None:
+        if not self._warned_unpinned:
+            self._warned_unpinned = True
+            log.warning(
+                "DumpWriter: CUDA fill into unpinned memory; the copy blocks the forward thread"
+            )
+
+    def _raise_error(self) -> None:
+        if self._error is not None:
+            err, self._error = self._error, None
+            raise RuntimeError("DumpWriter background thread failed") from err
+
+    def _submit(self, pd: PendingDump) -> None:
+        with self._cv:
+            self._queue.append(pd)
+            self._cv.notify_all()
+
+    def _done(self, seq: int, nbytes: int) -> None:
+        with self._cv:
+            self._pending -= nbytes
+            self._outstanding.discard(seq)
+            self._cv.notify_all()
+
+    def _publisher(self) -> None:
+        while True:
+            with self._cv:
+                self._cv.wait_for(lambda: self._queue or self._closed)
+                if not self._queue:
+                    return
+                pd = self._queue.popleft()
+            try:
+                pd._finish()
+            except BaseException as e:  # surfaced via flush/open
+                log.exception("DumpWriter: publishing %s failed", pd.path)
+                pd._staging = None
+                if pd._region is not None:
+                    self._recover_region(pd)
+                shutil.rmtree(pd.tmp, ignore_errors=True)
+                with self._cv:
+                    self._error = self._error or e
+            finally:
+                # A ring dump keeps its bytes until released (or returned on abort/error).
+                self._done(pd.seq, 0 if pd._region is not None else pd.nbytes)
+
+    # -- ring -----------------------------------------------------------------------------------
+    def _probe_ring(self) -> bool:
+        """Can a mapping of a file on root be registered (tmpfs can; most disk filesystems no)?"""
+        probe = self._ring_dir / "probe"
+        try:
+            self._ring_dir.mkdir()
+            fd = os.open(probe, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
+            try:
+                os.ftruncate(fd, _ALIGN)
+                mm = mmap.mmap(fd, _ALIGN, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+            finally:
+                os.close(fd)
+            buf = torch.frombuffer(mm, dtype=torch.uint8)
+            ok = _register(buf.data_ptr(), _ALIGN)
+            if ok:
+                _unregister(buf.data_ptr())
+            del buf
+            mm.close()
+            os.unlink(probe)
+        except Exception:  # e.g. no CUDA at all
+            log.exception("DumpWriter: probing %s", self._ring_dir)
+            ok = False
+        if not ok:
+            log.warning(
+                "DumpWriter: cannot register mappings of files on %s (not tmpfs?): using a "
+                "pinned staging buffer and a host copy instead (slower)",
+                self.root,
+            )
+            if torch.cuda.is_available():
+                torch.cuda.cudart().cudaGetLastError()  # clear the (non-sticky) error
+            shutil.rmtree(self._ring_dir, ignore_errors=True)
+        return ok
+
+    def _take_free(self, need: int) -> _Region | None:
+        fits = [r for r in self._free if r.capacity >= need]
+        if not fits:
+            return None
+        region = min(fits, key=lambda r: r.capacity)
+        self._free.remove(region)
+        return region
+
+    def _poke(self) -> None:
+        with self._cv:
+            self._scan_locked()
+
+    def _scan_locked(self) -> None:
+        """Find regions released into .ring (back to free) or deleted by consumers (leaked)."""
+        if not self._ring or not any(r.state == "published" for r in self._regions.values()):
+            return
+        changed = False
+        try:
+            entries = list(os.scandir(self._ring_dir))
+        except FileNotFoundError:
+            entries = []
+        for e in entries:
+            if not e.name.startswith("free-"):
+                continue
+            r = self._regions.get(e.inode())
+            if r is None:  # not ours (a dead writer's, or a no-ring dump): reclaim the space
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(e.path)
+                continue
+            if r.state == "published":
+                r.state = "free"
+                r.path = Path(e.path)
+                self._free.append(r)
+                self._pending -= r.capacity
+                self.released += 1
+                changed = True
+        for r in list(self._regions.values()):
+            if r.state == "published" and r.links() == 0:
+                self._leak(r, f"dump {r.path.parent} was deleted instead of released")
+                changed = True
+        if changed:
+            self._cv.notify_all()
+
+    def _leak(self, r: _Region, why: str) -> None:
+        """Lock held. Unregistering now would stall the GPU: keep the region until close()."""
+        r.state = "leaked"
+        self._pending -= r.capacity
+        self.leaked_bytes += r.capacity
+        if not self._warned_leak:
+            self._warned_leak = True
+            log.warning(
+                "DumpWriter: %s: its %d-byte pinned region stays allocated until close() and a "
+                "replacement is made; consumers should call release_dump()",
+                why,
+                r.capacity,
+            )
+        if self.leaked_bytes > self.max_pending_bytes:
+            gone = [x for x in self._regions.values() if x.state == "leaked"]
+            for x in gone:
+                del self._regions[x.key[1]]
+            self._reclaim += gone
+            self.leaked_bytes = 0
+            log.warning(
+                "DumpWriter: leaked regions exceed max_pending_bytes: unregistering %d of them "
+                "(waits for the GPU to go idle)",
+                len(gone),
+            )
+
+    def _return_region(self, r: _Region) -> None:
+        """An open region goes back to free (abort, or open() failing)."""
+        free = self._ring_dir / f"free-{uuid.uuid4().hex}"
+        try:
+            os.rename(r.path, free)
+        except OSError:
+            with self._cv:
+                self._leak(r, f"region file {r.path} vanished")
+            return
+        with self._cv:
+            r.path = free
+            r.state = "free"
+            self._free.append(r)
+            self._pending -= r.capacity
+            self._cv.notify_all()
+
+    def _recover_region(self, pd: PendingDump) -> None:
+        """Publishing failed: get the region back from wherever its file is."""
+        r = pd._region
+        assert r is not None
+        with self._cv:
+            if r.state != "open" and r.state != "published":
+                return
+            r.state = "open"  # not visible to scans while we move it
+        for path in (pd.tmp / "tensors.safetensors", r.path):
+            if path.exists() and os.stat(path).st_ino == r.key[1]:
+                r.path = path
+                break
+        self._return_region(r)
+
+    def _published(self, r: _Region, path: Path) -> None:
+        with self._cv:
+            r.state = "published"
+            r.path = path
+            self._cv.notify_all()  # wakes the scanner
+
+    def _want_region(self) -> int:
+        """Size of the region a pool thread should make now, or 0 (lock held)."""
+        cap = self._class
+        if not cap or not self._ring or self._closed:
+            return 0
+        live = [r for r in self._regions.values() if r.state != "leaked"]
+        making = self._making_sizes
+        if not any(r.capacity >= cap for r in live) and not any(m >= cap for m in making):
+            return cap  # growth: always, even past the bound
+        for need in self._needs:  # an open() waits and nothing that fits is free or coming
+            if any(r.capacity >= need for r in self._free) or any(m >= need for m in making):
+                continue
+            break
+        else:
+            spare = sum(r.capacity >= cap for r in self._free) + sum(m >= cap for m in making)
+            if spare >= self._pool_size:
+                return 0
+        total = sum(r.capacity for r in live) + sum(making)
+        return cap if total + cap <= self.max_pending_bytes else 0
+
+    def _scanner(self) -> None:
+        while True:
+            with self._cv:
+                self._cv.wait_for(
+                    lambda: (
+                        self._closed or any(r.state == "published" for r in self._regions.values())
+                    )
+                )
+                if self._closed:
+                    return
+                self._scan_locked()
+            time.sleep(self._interval)
+
+    def _ring_pooler(self) -> None:
+        if self.pin and self.device is not None and self.device.index is not None:
+            torch.cuda.set_device(self.device)
+        while True:
+            with self._cv:
+                self._cv.wait_for(lambda: self._closed or self._reclaim or self._want_region())
+                if self._closed:
+                    return
+                reclaim, self._reclaim = self._reclaim, []
+                size = 0 if reclaim else self._want_region()
+                if size:
+                    self._making_sizes.append(size)
+            for r in reclaim:
+                r.destroy(unlink=False)
+            if not size:
+                continue
+            region = None
+            try:
+                region = _Region(self._ring_dir, size, self._workers)
+            except BaseException as e:
+                log.exception("DumpWriter: making a %d-byte region failed", size)
+                with self._cv:
+                    self._error = self._error or e
+            finally:
+                with self._cv:
+                    self._making_sizes.remove(size)
+                    if region is not None:
+                        free = self._ring_dir / f"free-{uuid.uuid4().hex}"
+                        os.rename(region.path, free)
+                        region.path, region.state = free, "free"
+                        self._regions[region.key[1]] = region
+                        self._free.append(region)
+                    self._cv.notify_all()
+            if region is None:
+                time.sleep(1.0)  # e.g. root is full: reported via open()/flush(); retry, no spin
+
+    # -- plain files (no ring) ------------------------------------------------------------------
+    def _short(self) -> bool:
+        """More files of the current size are needed (called with the lock held)."""
+        size = self._region_bytes
+        have = sum(f.capacity >= size for f in self._ready) + self._making
+        return bool(size) and have < self._pool_size + self._wanted
+
+    def _pooler(self) -> None:
+        if self._ring:
+            self._ring_pooler()
+            return
+        while True:
+            stale = None
+            with self._cv:
+                self._cv.wait_for(lambda: self._closed or self._short())
+                if self._closed:
+                    return
+                size = self._region_bytes
+                small = [f for f in self._ready if f.capacity < size]
+                if small and len(self._ready) + self._making >= self._pool_size:
+                    stale = small[0]  # outgrown: make room for a file of the current size
+                    self._ready.remove(stale)
+                self._making += 1
+                self._seq_file += 1
+                path = self.root / f".pool-{os.getpid()}-{self._seq_file}"
+            file = None
+            try:
+                if stale is not None:
+                    stale.discard()
+                file = _File(path, size)
+            except BaseException as e:
+                log.exception("DumpWriter: allocating a %d-byte file failed", size)
+                shutil.rmtree(path, ignore_errors=True)
+                with self._cv:
+                    self._error = self._error or e
+            finally:
+                with self._cv:
+                    self._making -= 1
+                    if file is not None:
+                        self._ready.append(file)
+                    self._cv.notify_all()
+            if file is None:
+                time.sleep(1.0)  # e.g. root is full: reported via open()/flush(); retry, no spin
+
+
+def read_dump(path: Path) -> tuple[dict[str, torch.Tensor], dict]:
+    """Load a published dump: its tensors (stock safetensors, no pickle) and its meta.
+
+    The tensors map the file (no copy): with a ring writer they are valid until
+    ``release_dump(path)``, after which the writer reuses the memory; clone what you keep."""
+    from safetensors import safe_open
+
+    path = Path(path)
+    with safe_open(path / "tensors.safetensors", framework="pt") as f:
+        tensors = {k: f.get_tensor(k) for k in f.keys() if k != PAD_KEY}  # noqa: SIM118
+    return tensors, json.loads((path / "meta.json").read_text())
+
+
+def release_dump(path: Path) -> None:
+    """Done with a published dump: give its memory back to the writer and remove it.
+
+    With a ring writer alive on the dump's root, the tensors file is renamed into ``.ring/``
+    (same inode: the writer reuses its registered mapping); otherwise the dump is deleted. The dump
+    directory is gone afterwards; tensors read from it must not be used any more. Safe to call
+    from any process; a dump already gone is a no-op."""
+    path = Path(path)
+    root = path.parent
+    ring = root / RING_DIR
+    if ring.is_dir():
+        # FileNotFoundError: dump gone, or the writer closed (its ring removed) meanwhile
+        with contextlib.suppress(FileNotFoundError):
+            os.rename(path / "tensors.safetensors", ring / f"free-{uuid.uuid4().hex}")
+    shutil.rmtree(path, ignore_errors=True)
+    if _WRITERS:
+        try:
+            key = os.stat(root)
+        except FileNotFoundError:
+            return
+        for w in list(_WRITERS):
+            with contextlib.suppress(FileNotFoundError):
+                if os.path.samestat(os.stat(w.root), key):
+                    w._poke()

@@ -1,0 +1,205 @@
+"""The node worker on a real local Ray with a real SGLang server (CPU, tiny DeepseekV3)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+import ray
+import torch
+from transformers import AutoTokenizer
+
+from actors.calibration import CalibrationError
+from actors.node_worker import NodeWorker, WorkerConfig
+from actors.sglang_server import ServerError
+from cluster.layers import expected_capture
+from cluster.shard_queue import ShardQueueActor
+from cluster.store import Store, create_store, make_manifest
+from tests.hf_reference import assert_matches, reference_states
+
+pytestmark = pytest.mark.slow
+
+# float32 serving, as in test_capture_server: bf16 MoE routing flips experts on near-ties.
+DTYPE = "float32"
+LAYERS = [0, 1, 3]
+
+
+@pytest.fixture(scope="module")
+def ray_cluster() -> Iterator[None]:
+    ray.init(
+        address="local",
+        num_cpus=2,
+        resources={"sglang_node": 2},
+        include_dashboard=False,
+        log_to_driver=False,
+    )
+    try:
+        yield
+    finally:
+        ray.shutdown()
+
+
+def plan_store(model_path: Path, url: Path, count: int, per_shard: int) -> Store:
+    """A minimal plan: chat prompts of varied lengths, loss mask over assistant tokens."""
+    tokenizer = AutoTokenizer.from_pretrained(model_path)
+    words = "a draft model learns what the target model would say next at every token".split()
+    ids, masks, names = [], [], []
+    for i in range(count):
+        question = " ".join(words[(i * 3 + k) % len(words)] for k in range(4 + (i * 11) % 40))
+        messages = [
+            {"role": "user", "content": f"{question} #{i}?"},
+            {"role": "assistant", "content": " ".join(words[: 3 + i % 9])},
+        ]
+        out = tokenizer.apply_chat_template(
+            messages, tokenize=True, return_dict=True, return_assistant_tokens_mask=True
+        )
+        ids.append(np.array(out["input_ids"], np.int32))
+        masks.append(np.array(out["assistant_masks"], np.uint8))
+        names.append(f"sample-{i}")
+    manifest = make_manifest(
+        str(model_path),
+        model_path,
+        expected_capture(model_path, LAYERS, DTYPE),
+        max_length=4096,
+        samples_per_shard=per_shard,
+        chunk_tokens=64,
+    )
+    return create_store(url, manifest, names, ids, masks)
+
+
+def worker_config(model_path: Path, store_url: Path, tmp_path: Path, **overrides) -> WorkerConfig:
+    defaults = dict(
+        model_path=str(model_path),
+        store_url=str(store_url),
+        aux_layer_ids=LAYERS,
+        server_args=["--dtype", DTYPE],
+        inflight=4,
+        dump_root=str(tmp_path),
+        heartbeat_seconds=0.5,
+        restart_backoff=0.5,
+        server_start_timeout=240,
+    )
+    return WorkerConfig(**{**defaults, **overrides})
+
+
+def assert_store_matches_reference(store: Store, model_path: Path, shards: list[int]) -> None:
+    g = store.group
+    for k in shards:
+        shard = store.shards[k]
+        assert store.committed()[k]
+        for i in range(shard.sample_begin, shard.sample_end):
+            rows = store.sample_rows(i)
+            ids = g["input_ids"][rows].tolist()
+            aux = torch.from_numpy(np.asarray(g["aux_hidden_states"][rows]))
+            final = torch.from_numpy(np.asarray(g["final_hidden_states"][rows]))
+            reference = reference_states(model_path, ids, store.manifest.layer_ids)
+            assert_matches(
+                reference, aux, final, min_cos=0.99999, max_error=1e-3, what=f"sample {i}"
+            )
+        assert (g["sample_status"][shard.sample_begin : shard.sample_end] == 1).all()
+
+
+def test_worker_writes_two_shards_matching_reference_and_plan(
+    ray_cluster: None, deepseek_path: Path, tmp_path: Path
+) -> None:
+    store = plan_store(deepseek_path, tmp_path / "store.zarr", count=10, per_shard=5)
+    planned_ids = np.asarray(store.group["input_ids"][:]).copy()
+    planned_mask = np.asarray(store.group["loss_mask"][:]).copy()
+    queue = ShardQueueActor.remote(range(len(store.shards)), lease_seconds=60)
+    config = worker_config(deepseek_path, tmp_path / "store.zarr", tmp_path)
+    worker = NodeWorker.options(resources={"sglang_node": 1}).remote(config, queue)
+
+    summaries = ray.get(worker.run.remote(), timeout=600)
+
+    assert sorted(s["shard"] for s in summaries) == [0, 1]
+    assert all(s["written"] == 5 and not s["failed"] for s in summaries)
+    assert ray.get(queue.status.remote()).done
+    store = Store.open(tmp_path / "store.zarr")
+    assert_store_matches_reference(store, deepseek_path, [0, 1])
+    # The plan's own rows are untouched by the workers.
+    assert np.array_equal(store.group["input_ids"][:], planned_ids)
+    assert np.array_equal(store.group["loss_mask"][:], planned_mask)
+    assert planned_mask.any() and not planned_mask.all()
+    assert not list(tmp_path.glob("hsx-dumps-*")), "the worker leaves no dumps behind"
+
+
+def test_server_killed_mid_shard_is_restarted_and_the_shard_completes(
+    ray_cluster: None, deepseek_path: Path, tmp_path: Path
+) -> None:
+    store = plan_store(deepseek_path, tmp_path / "store.zarr", count=24, per_shard=24)
+    queue = ShardQueueActor.remote(range(len(store.shards)), lease_seconds=60)
+    config = worker_config(deepseek_path, tmp_path / "store.zarr", tmp_path, inflight=2)
+    worker = NodeWorker.options(resources={"sglang_node": 1}).remote(config, queue)
+    run = worker.run.remote()
+
+    deadline = time.monotonic() + 300
+    while ray.get(worker.status.remote())["written"] < 3:
+        assert time.monotonic() < deadline, "the worker made no progress"
+        time.sleep(0.2)
+    os.killpg(ray.get(worker.server_pid.remote()), signal.SIGKILL)
+
+    (summary,) = ray.get(run, timeout=600)
+    assert summary["server_restarts"] == 1
+    assert summary["written"] == 24 and not summary["failed"]
+    assert_store_matches_reference(Store.open(tmp_path / "store.zarr"), deepseek_path, [0])
+
+
+def test_calibration_refuses_a_server_whose_layers_differ_from_the_manifest(
+    ray_cluster: None, deepseek_path: Path, tmp_path: Path
+) -> None:
+    plan_store(deepseek_path, tmp_path / "store.zarr", count=2, per_shard=2)
+    queue = ShardQueueActor.remote([0], lease_seconds=60)
+    config = worker_config(deepseek_path, tmp_path / "store.zarr", tmp_path, aux_layer_ids=[0, 2])
+    worker = NodeWorker.options(resources={"sglang_node": 1}).remote(config, queue)
+    with pytest.raises(
+        CalibrationError, match=r"layer_ids: server \[0, 2\] != manifest \[0, 1, 3\]"
+    ):
+        ray.get(worker.run.remote(), timeout=600)
+    status = ray.get(queue.status.remote())
+    assert status.pending == 1 and status.completed == 0
+
+
+def test_worker_whose_lease_is_revoked_stops_writing_and_does_not_commit(
+    ray_cluster: None, deepseek_path: Path, tmp_path: Path
+) -> None:
+    store = plan_store(deepseek_path, tmp_path / "store.zarr", count=40, per_shard=40)
+    queue = ShardQueueActor.remote([0], lease_seconds=60)
+    config = worker_config(deepseek_path, tmp_path / "store.zarr", tmp_path, inflight=1)
+    worker = NodeWorker.options(resources={"sglang_node": 1}).remote(config, queue)
+    run = worker.run.remote()
+    deadline = time.monotonic() + 300
+    while ray.get(worker.status.remote())["written"] < 2:
+        assert time.monotonic() < deadline, "the worker made no progress"
+        time.sleep(0.1)
+    # The shard is revoked and handed to another worker at once (Ray runs one caller's calls
+    # to an actor in order), so this worker cannot lease it again.
+    queue.revoke.remote(0)
+    assert ray.get(queue.acquire.remote("another-worker")).shard == 0
+
+    (summary,) = ray.get(run, timeout=600)
+    assert summary["lease_lost"] is True
+    assert summary["written"] < 40
+    store = Store.open(tmp_path / "store.zarr")
+    assert not store.committed()[0] and store.summary(0) is None
+    # Nothing of the samples after the revocation reached the store.
+    written_rows = np.asarray(store.group["final_hidden_states"][:]).any(axis=1)
+    last = store.sample_rows(store.shards[0].sample_end - 1)
+    assert not written_rows[last].any()
+
+
+def test_worker_fails_with_the_log_tail_when_the_server_cannot_start(
+    ray_cluster: None, deepseek_path: Path, tmp_path: Path
+) -> None:
+    plan_store(deepseek_path, tmp_path / "store.zarr", count=2, per_shard=2)
+    queue = ShardQueueActor.remote([0], lease_seconds=60)
+    config = worker_config(
+        deepseek_path, tmp_path / "store.zarr", tmp_path, server_args=["--no-such-flag"]
+    )
+    worker = NodeWorker.options(resources={"sglang_node": 1}).remote(config, queue)
+    with pytest.raises(ServerError, match="no-such-flag"):
+        ray.get(worker.run.remote(), timeout=300)

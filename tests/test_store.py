@@ -1,0 +1,286 @@
+"""The Zarr store and its shard writer: layout, bit-exact round trip, failures, leases, resume."""
+
+from __future__ import annotations
+
+import threading
+from pathlib import Path
+
+import ml_dtypes
+import numpy as np
+import pytest
+import torch
+import zarr
+
+from actors.shard_writer import LeaseLost, ShardWriter
+from cluster.store import (
+    BF16_ATTR,
+    SCHEMA_VERSION,
+    Manifest,
+    Store,
+    StoreFormatError,
+    create_store,
+    layout,
+    make_manifest,
+)
+
+H, NUM_AUX, CHUNK, PER_SHARD = 8, 3, 8, 4
+LENGTHS = [5, 1, 13, 8, 3, 20, 2, 7, 9, 16, 4]  # 11 samples: 3 shards, the last one short
+SPECIALS = np.array([0x7FC0, 0xFFC1, 0x7F81, 0x7F80, 0xFF80, 0x8000, 0x0001], np.uint16)
+
+
+def manifest(dtype: str = "bfloat16", codec: dict | None = None) -> Manifest:
+    return Manifest(
+        schema_version=SCHEMA_VERSION,
+        model="tiny",
+        model_config_hash="c" * 64,
+        tokenizer_hash="t" * 64,
+        chat_template_hash=None,
+        layer_ids=[2, 4, 5],
+        layer_convention="HF hidden_states[layer_ids[j]]",
+        final_state="post_norm",
+        hidden_size=H,
+        num_aux=NUM_AUX,
+        dtype=dtype,
+        max_length=64,
+        codec=codec or {"name": "zstd", "level": 1},
+        chunk_tokens=CHUNK,
+        samples_per_shard=PER_SHARD,
+    )
+
+
+def plan() -> tuple[list[str], list[np.ndarray], list[np.ndarray]]:
+    rng = np.random.default_rng(0)
+    ids = [rng.integers(0, 1000, n).astype(np.int32) for n in LENGTHS]
+    masks = [rng.integers(0, 2, n).astype(np.uint8) for n in LENGTHS]
+    return [f"s{i}-é" for i in range(len(LENGTHS))], ids, masks
+
+
+def new_store(path: Path, dtype: str = "bfloat16", codec: dict | None = None) -> Store:
+    rejected = [{"sample_id": "bad", "reason": "too long"}]
+    return create_store(path, manifest(dtype, codec), *plan(), rejected=rejected)
+
+
+def sample_bits(i: int, dtype: str = "bfloat16") -> tuple[np.ndarray, np.ndarray]:
+    """Deterministic raw rows of sample i: random bits with NaN/inf/-0/subnormal patterns."""
+    rng = np.random.default_rng(100 + i)
+    if dtype == "float32":
+        return rng.standard_normal((LENGTHS[i], NUM_AUX, H), np.float32), rng.standard_normal(
+            (LENGTHS[i], H), np.float32
+        )
+    aux = rng.integers(0, 1 << 16, (LENGTHS[i], NUM_AUX, H), dtype=np.uint16)
+    final = rng.integers(0, 1 << 16, (LENGTHS[i], H), dtype=np.uint16)
+    aux.reshape(-1)[: len(SPECIALS)] = SPECIALS
+    final.reshape(-1)[-len(SPECIALS) :] = SPECIALS
+    return aux, final
+
+
+def as_input(bits: np.ndarray, i: int) -> np.ndarray | torch.Tensor:
+    """Alternate the input kinds a worker may hand over: bf16 torch tensors and ml_dtypes arrays."""
+    if bits.dtype != np.uint16:
+        return torch.from_numpy(bits) if i % 2 else bits
+    if i % 2:
+        return torch.from_numpy(bits.view(np.int16)).view(torch.bfloat16)
+    return bits.view(ml_dtypes.bfloat16)
+
+
+def write_shard(store: Store, k: int, order: list[int] | None = None, **kw) -> dict:
+    shard = store.shards[k]
+    writer = ShardWriter(store, shard, **kw)
+    samples = list(range(shard.sample_begin, shard.sample_end)) if order is None else order
+    dtype = store.manifest.dtype
+    for i in samples:
+        aux, final = sample_bits(i, dtype)
+        writer.write_sample(i, as_input(aux, i), as_input(final, i))
+    return writer.commit({"worker": f"w{k}"})
+
+
+def check_rows(store: Store, samples: list[int]) -> None:
+    g = store.group
+    for i in samples:
+        aux, final = sample_bits(i, store.manifest.dtype)
+        rows = store.sample_rows(i)
+        np.testing.assert_array_equal(g["aux_hidden_states"][rows], aux)
+        np.testing.assert_array_equal(g["final_hidden_states"][rows], final)
+
+
+@pytest.mark.parametrize("per_shard,chunk", [(1, 1), (3, 8), (4, 7), (50, 16)])
+def test_layout_is_chunk_aligned_packed_and_deterministic(per_shard: int, chunk: int) -> None:
+    lengths = np.random.default_rng(per_shard).integers(1, 40, 37)
+    starts, shards, total = layout(lengths, per_shard, chunk)
+    again = layout(lengths.tolist(), per_shard, chunk)
+    assert np.array_equal(starts, again[0]) and shards == again[1] and total == again[2]
+    assert [s.sample_begin for s in shards] == list(range(0, 37, per_shard))
+    assert shards[-1].sample_end == 37
+    for prev, sh in zip([None, *shards], shards, strict=False):
+        assert sh.token_begin % chunk == 0
+        if prev is not None:  # the next chunk boundary after the previous shard: no overlap
+            assert sh.token_begin == -(-prev.token_end // chunk) * chunk
+        ends = starts[sh.sample_begin : sh.sample_end] + lengths[sh.sample_begin : sh.sample_end]
+        assert starts[sh.sample_begin] == sh.token_begin and ends[-1] == sh.token_end
+        assert np.array_equal(starts[sh.sample_begin + 1 : sh.sample_end], ends[:-1])  # packed
+    assert total % chunk == 0 and total - chunk < shards[-1].token_end <= total
+    with pytest.raises(ValueError, match="sample 1 has no tokens"):
+        layout([3, 0], per_shard, chunk)
+
+
+@pytest.mark.parametrize("dtype,codec", [("bfloat16", "zstd"), ("float32", "none")])
+def test_out_of_order_writes_read_back_bit_exact(tmp_path: Path, dtype: str, codec: str) -> None:
+    c = {"name": "zstd", "level": 1} if codec == "zstd" else {"name": "none"}
+    store = new_store(tmp_path / "s.zarr", dtype, c)
+    rng = np.random.default_rng(1)
+    for k in reversed(range(len(store.shards))):
+        sh = store.shards[k]
+        summary = write_shard(
+            store, k, rng.permutation(range(sh.sample_begin, sh.sample_end)).tolist()
+        )
+        assert summary["written"] == sh.sample_end - sh.sample_begin and summary["failed"] == {}
+        payload = sum(LENGTHS[sh.sample_begin : sh.sample_end]) * (NUM_AUX + 1) * H
+        assert summary["bytes_written"] == payload * (2 if dtype == "bfloat16" else 4)
+
+    store = Store.open(tmp_path / "s.zarr")
+    g = store.group
+    assert store.manifest == manifest(dtype, c) and store.num_samples == len(LENGTHS)
+    assert store.committed().all() and (g["sample_status"][:] == 1).all()
+    assert store.rejected == [{"sample_id": "bad", "reason": "too long"}]
+    assert g["sample_id"][3] == "s3-é" and g["sample_length"][2] == 13
+    assert store.summary(1)["worker"] == "w1"
+    check_rows(store, list(range(len(LENGTHS))))
+    if dtype == "bfloat16":
+        assert dict(g["aux_hidden_states"].attrs) == BF16_ATTR
+        bf16 = g["final_hidden_states"][store.sample_rows(0)].view(ml_dtypes.bfloat16)
+        assert np.isnan(bf16.astype(np.float32)).any() and np.isinf(bf16.astype(np.float32)).any()
+    # Padding between shards reads back as zero; the plan's rows are the driver's.
+    gap = slice(store.shards[0].token_end, store.shards[1].token_begin)
+    assert gap.stop > gap.start and not g["final_hidden_states"][gap].any()
+    assert not g["input_ids"][gap].any()
+    for i, (name, ids, mask) in enumerate(zip(*plan(), strict=True)):
+        assert g["sample_id"][i] == name
+        assert np.array_equal(g["input_ids"][store.sample_rows(i)], ids)
+        assert np.array_equal(g["loss_mask"][store.sample_rows(i)], mask)
+
+
+def test_wrong_length_is_refused_naming_the_sample(tmp_path: Path) -> None:
+    store = new_store(tmp_path / "s.zarr")
+    writer = ShardWriter(store, store.shards[0])
+    aux, final = sample_bits(2)
+    with pytest.raises(ValueError, match=r"sample 2 \(s2-é\).*expected 13 rows"):
+        writer.write_sample(2, as_input(aux[:-1], 0), as_input(final[:-1], 0))
+    with pytest.raises(ValueError, match=r"sample 2 \(s2-é\) final: dtype float32"):
+        writer.write_sample(2, as_input(aux, 0), final.astype(np.float32))
+    with pytest.raises(ValueError, match="not written"):
+        writer.commit({})
+    writer.abort()
+
+
+def test_mark_failed_leaves_zero_rows_and_a_reason(tmp_path: Path) -> None:
+    store = new_store(tmp_path / "s.zarr")
+    sh = store.shards[1]
+    writer = ShardWriter(store, sh)
+    for i in range(sh.sample_begin, sh.sample_end):
+        if i == 5:
+            writer.mark_failed(i, "token ids differ from the plan")
+        else:
+            writer.write_sample(i, *(as_input(x, i) for x in sample_bits(i)))
+    summary = writer.commit({})
+    assert summary["failed"] == {"s5-é": "token ids differ from the plan"}
+    assert summary["written"] == 3
+    g = store.group
+    assert g["sample_status"][sh.sample_begin : sh.sample_end].tolist() == [1, 2, 1, 1]
+    assert not g["aux_hidden_states"][store.sample_rows(5)].any()
+    check_rows(store, [4, 6, 7])
+    assert store.summary(1)["failed"] == summary["failed"]
+    assert store.committed().tolist() == [False, True, False]
+
+
+def test_lost_lease_stops_writes_and_commit(tmp_path: Path) -> None:
+    store = new_store(tmp_path / "s.zarr")
+    sh = store.shards[1]  # samples 4..7, lengths 3 20 2 7: rows 40..72, chunks 5..8
+    current = True
+    writer = ShardWriter(store, sh, threads=1, is_current=lambda: current)
+    for i in (4, 5):
+        writer.write_sample(i, *(as_input(x, i) for x in sample_bits(i)))
+    current = False
+    with pytest.raises(LeaseLost):  # raised at once or at the latest by commit
+        for i in (6, 7):
+            writer.write_sample(i, *(as_input(x, i) for x in sample_bits(i)))
+        writer.commit({})
+    with pytest.raises(LeaseLost):
+        writer.commit({})
+    g = store.group
+    for i in (6, 7):
+        assert not g["aux_hidden_states"][store.sample_rows(i)].any()
+        assert not g["final_hidden_states"][store.sample_rows(i)].any()
+    assert not store.committed().any() and store.summary(1) is None
+    assert not g["sample_status"][:].any()
+
+
+def test_two_writers_on_adjacent_shards_do_not_interfere(tmp_path: Path) -> None:
+    store = new_store(tmp_path / "s.zarr")
+    errors: list[BaseException] = []
+
+    def run(k: int) -> None:
+        try:
+            write_shard(Store.open(tmp_path / "s.zarr", mode="r+"), k, threads=2)
+        except BaseException as e:
+            errors.append(e)
+
+    threads = [threading.Thread(target=run, args=(k,)) for k in (0, 1, 2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors
+    store = Store.open(tmp_path / "s.zarr")
+    assert store.committed().all()
+    check_rows(store, list(range(len(LENGTHS))))
+
+
+def chunk_files(path: Path) -> dict[Path, bytes]:
+    files = (path / "aux_hidden_states").rglob("*")
+    return {p: p.read_bytes() for p in files if p.is_file() and p.name != "zarr.json"}
+
+
+def test_rewriting_a_committed_shard_gives_the_same_bits(tmp_path: Path) -> None:
+    path = tmp_path / "s.zarr"
+    store = new_store(path)
+    write_shard(store, 2)
+    before = chunk_files(path)
+    store = Store.open(path, mode="r+")
+    writer = ShardWriter(store, store.shards[2])
+    assert not store.committed()[2]  # a re-issued shard is not complete while it is rewritten
+    writer.abort()
+    write_shard(store, 2)
+    assert chunk_files(path) == before
+    assert store.committed()[2]
+    check_rows(store, list(range(8, 11)))
+
+
+def test_wrong_schema_version_is_refused_clearly(tmp_path: Path) -> None:
+    store = new_store(tmp_path / "s.zarr")
+    store.group.attrs["manifest"] = {**store.manifest.to_json(), "schema_version": 2}
+    with pytest.raises(StoreFormatError, match="schema version 2 is not supported"):
+        Store.open(tmp_path / "s.zarr")
+    with pytest.raises(StoreFormatError, match="unknown \\['extra'\\]"):
+        Manifest.from_json({**manifest().to_json(), "extra": 1})
+    zarr.create_group(tmp_path / "other.zarr")
+    with pytest.raises(StoreFormatError, match="not a hidden-state store"):
+        Store.open(tmp_path / "other.zarr")
+    with pytest.raises(zarr.errors.ContainsGroupError):  # creation never clobbers a store
+        new_store(tmp_path / "s.zarr")
+
+
+def test_make_manifest_hashes_the_model_and_picks_the_chunking(tmp_path: Path) -> None:
+    (tmp_path / "config.json").write_text("{}")
+    (tmp_path / "tokenizer.json").write_text("{}")
+    meta = {  # as in a dump's meta.json
+        "layer_ids": [2, 30, 58],
+        "layer_convention": "HF hidden_states[layer_ids[j]]",
+        "final_state": "post_norm",
+        "hidden_size": 7168,
+        "num_aux": 3,
+        "dtype": "bfloat16",
+    }
+    m = make_manifest("kimi", tmp_path, meta, max_length=8192, samples_per_shard=64)
+    assert m.model_config_hash == m.tokenizer_hash != "" and m.chat_template_hash is None
+    assert m.codec == {"name": "none"} and m.chunk_tokens == 1024  # ~32 MB of aux rows
+    assert Manifest.from_json(m.to_json()) == m
