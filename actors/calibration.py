@@ -8,7 +8,6 @@ that the server captures what the store's manifest promises. A mismatch stops th
 
 from __future__ import annotations
 
-import shutil
 import time
 import uuid
 from dataclasses import dataclass
@@ -18,7 +17,7 @@ import torch
 
 from actors.capture_client import generate_and_capture, wait_for_dump
 from cluster.store import Manifest
-from patches.dump_writer import read_dump
+from patches.dump_writer import read_dump, release_dump
 
 PROBE_TEXT = "Calibration probe: the capital city of France is Paris, and 2 + 2 = 4."
 # Dump meta fields that must equal the manifest's fields of the same name.
@@ -40,7 +39,7 @@ def clear_stale_dumps(dump_dir: Path) -> int:
     """Remove published dumps left by an earlier server start; returns how many."""
     stale = list(dump_dir.glob("req_*")) if dump_dir.exists() else []
     for path in stale:
-        shutil.rmtree(path, ignore_errors=True)
+        release_dump(path)
     return len(stale)
 
 
@@ -76,5 +75,5 @@ def calibrate(
                 + "\n  ".join(problems)
             )
     finally:
-        shutil.rmtree(response.dump_path, ignore_errors=True)
+        release_dump(response.dump_path)
     return Calibration(int(meta["index"]), len(server_ids), time.monotonic() - started)

@@ -11,6 +11,7 @@ calibrated again when it dies; the shard then resumes with its unwritten samples
 
 from __future__ import annotations
 
+import functools
 import os
 import shutil
 import socket
@@ -37,7 +38,7 @@ from actors.shard_writer import LeaseLost, ShardWriter
 from actors.worker_metrics import WorkerMetrics
 from cluster.shard_queue import Lease
 from cluster.store import Store
-from patches.dump_writer import read_dump
+from patches.dump_writer import read_dump, release_dump
 from patches.settings import CaptureSettings
 
 
@@ -148,7 +149,11 @@ class NodeWorker:
         spec = ServerSpec(
             model_path=Path(self.config.model_path),
             capture=CaptureSettings(
-                self.dump_dir, self.config.rid_prefix, self.config.max_pending_bytes, True
+                self.dump_dir,
+                self.config.rid_prefix,
+                self.config.max_pending_bytes,
+                mla_cpu_fix=True,
+                max_tokens=self.store.manifest.max_length,
             ),
             aux_layer_ids=self.config.aux_layer_ids,
             tp_size=self.config.tp_size or (torch.cuda.device_count() if on_gpu else 1),
@@ -257,10 +262,14 @@ class NodeWorker:
                             self.metrics.failed.inc()
                         continue
                     t0 = time.perf_counter()
+                    release = functools.partial(release_dump, captured.dump_path)
                     try:
-                        writer.write_sample(i, captured.aux, captured.final)
-                    finally:
-                        shutil.rmtree(captured.dump_path, ignore_errors=True)
+                        # The rows may still be read after this returns: the writer gives the
+                        # dump back (to the server's pinned ring) once it is done with them.
+                        writer.write_sample(i, captured.aux, captured.final, on_release=release)
+                    except BaseException:
+                        release()
+                        raise
                     nbytes = captured.aux.nbytes + captured.final.nbytes
                     self.metrics.record_write(time.perf_counter() - t0, nbytes)
                     self.progress["written"] += 1
@@ -297,7 +306,7 @@ class NodeWorker:
                 calibration=self.calibration,
             )
         except BaseException:
-            shutil.rmtree(response.dump_path, ignore_errors=True)
+            release_dump(response.dump_path)
             raise
         self.metrics.record_capture(
             len(input_ids), request=t1 - t0, verify=time.perf_counter() - t1

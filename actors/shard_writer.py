@@ -67,6 +67,24 @@ class _BufferPool:
 _BUFFERS = _BufferPool()
 
 
+def _when_all_done(futures: list[Future[None]], callback: Callable[[], None]) -> None:
+    """Call `callback` once every future is done (or cancelled): at once if there are none."""
+    if not futures:
+        callback()
+        return
+    remaining, lock = [len(futures)], threading.Lock()
+
+    def one_done(_: Future[None]) -> None:
+        with lock:
+            remaining[0] -= 1
+            last = remaining[0] == 0
+        if last:
+            callback()
+
+    for future in futures:
+        future.add_done_callback(one_done)
+
+
 class ShardWriter:
     """Writes one leased shard's rows. Whole chunks only: a chunk is encoded and written once,
     when every sample row it holds is in (padding and failed rows are zero), so zarr never
@@ -126,11 +144,16 @@ class ShardWriter:
             store.group["shard_committed"][shard.index] = 0
 
     def write_sample(
-        self, sample_index: int, aux: np.ndarray | torch.Tensor, final: np.ndarray | torch.Tensor
+        self,
+        sample_index: int,
+        aux: np.ndarray | torch.Tensor,
+        final: np.ndarray | torch.Tensor,
+        on_release: Callable[[], None] | None = None,
     ) -> None:
         """One sample's rows: aux [P, num_aux, H], final [P, H], P its planned length. Rows
         sharing a chunk with other samples are copied; chunks it fills alone are written from
-        its memory, so the arrays must not be modified afterwards (until commit)."""
+        its memory, so the arrays must stay untouched until `on_release` is called (at once
+        when nothing of theirs is pending, else once the last such chunk write is done)."""
         t0 = time.perf_counter()
         rows = self._claim(sample_index)
         p, name = rows.stop - rows.start, self._name(sample_index)
@@ -141,18 +164,21 @@ class ShardWriter:
                 f"sample {name}: got aux {tuple(aux.shape)} final {tuple(final.shape)}, "
                 f"expected {p} rows: aux {(p, *self._aux_shape)} final {(p, *self._final_shape)}"
             )
+        direct: list[Future[None]] = []
         for k, lo, hi in self._chunk_parts(rows):
             src = slice(lo - rows.start, hi - rows.start)
             self._payload[k] += hi - lo
             if hi - lo == self._c:  # a whole chunk of this sample: written from its own memory
                 self._waiting[k] = 0
-                self._submit(k, aux[src], final[src])
+                direct.append(self._submit(k, aux[src], final[src]))
                 continue
             buf_aux, buf_final = self._buffer(k)
             dst = slice(lo - k * self._c, hi - k * self._c)
             buf_aux[dst], buf_final[dst] = aux[src], final[src]
             self._arrived(k, hi - lo)
         self._status[sample_index - self.shard.sample_begin] = STATUS_WRITTEN
+        if on_release is not None:
+            _when_all_done(direct, on_release)
         self.seconds += time.perf_counter() - t0
 
     def mark_failed(self, sample_index: int, reason: str) -> None:
@@ -256,9 +282,13 @@ class ShardWriter:
         if self._waiting[k] == 0:
             self._submit(k, *self._buffers.pop(k), recycle=True)
 
-    def _submit(self, k: int, aux: np.ndarray, final: np.ndarray, recycle: bool = False) -> None:
+    def _submit(
+        self, k: int, aux: np.ndarray, final: np.ndarray, recycle: bool = False
+    ) -> Future[None]:
         self._slots.acquire()  # back-pressure: bounded chunks in flight
-        self._futures.append(self._pool.submit(self._write_chunk, k, aux, final, recycle))
+        future = self._pool.submit(self._write_chunk, k, aux, final, recycle)
+        self._futures.append(future)
+        return future
 
     def _write_chunk(self, k: int, aux: np.ndarray, final: np.ndarray, recycle: bool) -> None:
         try:

@@ -23,6 +23,7 @@ import torch
 
 from actors.capture_client import generate_and_capture, wait_for_dump
 from actors.sglang_server import ServerSpec, SGLangServer
+from patches.dump_writer import release_dump
 from patches.settings import CaptureSettings
 from tools.tiny_models import ensure_models
 
@@ -43,8 +44,10 @@ def prefill_tokens_per_s(
 
     def send(i: int) -> None:
         rid = f"{rid_prefix}{i}"
-        if capture:
-            wait_for_dump(generate_and_capture(url, rid, input_ids=prompts[i]).dump_path)
+        if capture:  # done once the dump is published; then released, as a worker would
+            release_dump(
+                wait_for_dump(generate_and_capture(url, rid, input_ids=prompts[i]).dump_path)
+            )
         else:
             payload = {
                 "rid": rid,
@@ -84,9 +87,6 @@ def main() -> None:
             # Alternate rounds so drift on a shared machine hits both sides alike.
             for r in range(args.rounds):
                 for name, prefix in (("capture off", f"off{r}-"), ("capture on", RID_PREFIX)):
-                    if name == "capture on":  # keep /dev/shm small: drop the last round's dumps
-                        for dump in (work / "dumps").glob("req_*"):
-                            shutil.rmtree(dump)
                     results[name].append(
                         prefill_tokens_per_s(server.url, prompts, args.inflight, prefix)
                     )

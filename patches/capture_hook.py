@@ -55,7 +55,7 @@ class CaptureSession:
     def __init__(self, settings: CaptureSettings) -> None:
         assert settings.dump_dir is not None
         self.settings = settings
-        self.writer = DumpWriter(settings.dump_dir, settings.max_pending_bytes)
+        self.writer: DumpWriter | None = None  # made at the first capture, sized by its layout
         self._counter = itertools.count()
         self._open: dict[str, _OpenDump] = {}
         self._layout: dict[str, Any] | None = None
@@ -130,6 +130,8 @@ class CaptureSession:
         return {"path": str(dump.pending.path), "index": dump.index}
 
     def _open_dump(self, rid: str, prompt_len: int, layout: dict[str, Any]) -> _OpenDump:
+        if self.writer is None:
+            self.writer = self._make_writer(layout)
         index = next(self._counter)
         hidden, dtype = layout["hidden_size"], layout["torch_dtype"]
         tensors = {  # widest dtype first: every tensor then starts aligned to its itemsize
@@ -144,7 +146,7 @@ class CaptureSession:
             "rid": rid,
             "index": index,
             "num_tokens": prompt_len,
-            **{k: v for k, v in layout.items() if k != "torch_dtype"},
+            **{k: v for k, v in layout.items() if k not in ("torch_dtype", "itemsize")},
         }
         dump = _OpenDump(
             pending=self.writer.open(f"req_{index}", tensors, meta),
@@ -154,6 +156,16 @@ class CaptureSession:
         )
         self._open[rid] = dump
         return dump
+
+    def _make_writer(self, layout: dict[str, Any]) -> DumpWriter:
+        assert self.settings.dump_dir is not None
+        region_bytes = 0
+        if self.settings.max_tokens:  # ids + positions (int64), then the hidden states
+            row = 16 + (layout["num_aux"] + 1) * layout["hidden_size"] * layout["itemsize"]
+            region_bytes = self.settings.max_tokens * row
+        return DumpWriter(
+            self.settings.dump_dir, self.settings.max_pending_bytes, region_bytes=region_bytes
+        )
 
     def _discard(self, rid: str) -> None:
         dump = self._open.pop(rid, None)
@@ -180,6 +192,7 @@ class CaptureSession:
                 "hidden_size": hidden,
                 "dtype": str(final.dtype).removeprefix("torch."),
                 "torch_dtype": final.dtype,
+                "itemsize": final.dtype.itemsize,
                 "final_state": "post_norm",
                 "architecture": type(runner.model).__name__,
             }

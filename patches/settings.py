@@ -14,6 +14,7 @@ ENV_DUMP_DIR = "HIDDEN_CAPTURE_DIR"
 ENV_RID_PREFIX = "HIDDEN_CAPTURE_RID_PREFIX"
 ENV_MAX_PENDING_BYTES = "HIDDEN_CAPTURE_MAX_PENDING_BYTES"
 ENV_MLA_CPU_FIX = "HIDDEN_CAPTURE_MLA_CPU_FIX"
+ENV_MAX_TOKENS = "HIDDEN_CAPTURE_MAX_TOKENS"
 
 DEFAULT_RID_PREFIX = "hsx-"
 DEFAULT_MAX_PENDING_BYTES = 2 << 30
@@ -28,6 +29,9 @@ class CaptureSettings:
     rid_prefix: str
     max_pending_bytes: int
     mla_cpu_fix: bool
+    # The longest prompt expected: dump regions are sized for it at the first capture (the
+    # calibration probe) instead of growing on real requests. None: grow as needed.
+    max_tokens: int | None = None
 
     @property
     def capture_enabled(self) -> bool:
@@ -45,6 +49,7 @@ class CaptureSettings:
             rid_prefix=prefix,
             max_pending_bytes=int(env.get(ENV_MAX_PENDING_BYTES, DEFAULT_MAX_PENDING_BYTES)),
             mla_cpu_fix=env.get(ENV_MLA_CPU_FIX, "1") != "0",
+            max_tokens=int(env[ENV_MAX_TOKENS]) if env.get(ENV_MAX_TOKENS) else None,
         )
 
     def to_env(self) -> dict[str, str]:
@@ -56,4 +61,6 @@ class CaptureSettings:
         }
         if self.dump_dir is not None:
             env[ENV_DUMP_DIR] = str(self.dump_dir)
+        if self.max_tokens is not None:
+            env[ENV_MAX_TOKENS] = str(self.max_tokens)
         return env

@@ -480,7 +480,7 @@ def test_ring_release_reuses_region(shm_path: Path, ring_mode: str) -> None:
 
 
 def test_ring_back_pressure_until_release(shm_path: Path, ring_mode: str) -> None:
-    w = _ring_writer(shm_path, ring_mode, max_pending_bytes=2 << 20, region_bytes=1 << 20)
+    w = _ring_writer(shm_path, ring_mode, max_pending_bytes=2 << 20, region_bytes=(1 << 20) - 4096)
     spec = {"x": ((1000,), torch.float32)}
     for name in ("a", "b"):
         w.open(name, spec, {}).publish()
