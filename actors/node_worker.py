@@ -38,7 +38,7 @@ from actors.shard_writer import LeaseLost, ShardWriter
 from actors.worker_metrics import WorkerMetrics
 from cluster.shard_queue import Lease
 from cluster.store import Store
-from patches.dump_writer import read_dump, release_dump
+from patches.dump_files import read_dump, release_dump
 from patches.settings import CaptureSettings
 
 

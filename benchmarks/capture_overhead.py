@@ -23,7 +23,7 @@ import torch
 
 from actors.capture_client import generate_and_capture, wait_for_dump
 from actors.sglang_server import ServerSpec, SGLangServer
-from patches.dump_writer import release_dump
+from patches.dump_files import release_dump
 from patches.settings import CaptureSettings
 from tools.tiny_models import ensure_models
 

@@ -15,7 +15,6 @@ consumer in another process, the staging fallback, and the slowdown of concurren
 from __future__ import annotations
 
 import argparse
-import ctypes
 import mmap
 import os
 import queue
@@ -31,26 +30,14 @@ import torch
 from safetensors import safe_open
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from patches.dump_writer import DumpWriter, read_dump, release_dump
+from patches.dump_files import read_dump, release_dump
+from patches.dump_writer import DumpWriter
+from patches.host_regions import populate
 
 T, H = 8192, 7168
 SPEC = {"aux": ((T, 3 * H), torch.bfloat16), "final": ((T, H), torch.bfloat16)}
 NBYTES = T * 4 * H * 2
 rows: list[tuple[str, str]] = []
-_libc = ctypes.CDLL(None, use_errno=True)
-
-
-def _populate(ptr: int, nbytes: int, workers: ThreadPoolExecutor, n: int = 8) -> None:
-    """Build page tables from n threads (MADV_POPULATE_WRITE; ctypes releases the GIL)."""
-    step = -(-nbytes // n // 4096) * 4096
-    jobs = [
-        workers.submit(
-            _libc.madvise, ctypes.c_void_p(p), ctypes.c_size_t(min(step, ptr + nbytes - p)), 23
-        )
-        for p in range(ptr, ptr + nbytes, step)
-    ]
-    for j in jobs:
-        j.result()
 
 
 def row(name: str, value: str) -> None:
@@ -104,7 +91,7 @@ def primitives(root: Path, aux: torch.Tensor, final: torch.Tensor) -> None:
         os.close(fd)
         raw = torch.frombuffer(mm, dtype=torch.uint8)
         if "populate" in variant:
-            _populate(raw.data_ptr(), NBYTES, workers)
+            populate(raw.data_ptr(), NBYTES, workers)
         t2 = time.perf_counter()
         assert cudart.cudaHostRegister(raw.data_ptr(), NBYTES, 1) == cudart.cudaError.success
         t3 = time.perf_counter()
@@ -137,7 +124,7 @@ def unregister_while_busy(root: Path) -> None:
         mm = mmap.mmap(fd, NBYTES, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
         os.close(fd)
         raw = torch.frombuffer(mm, dtype=torch.uint8)
-        _populate(raw.data_ptr(), NBYTES, workers)
+        populate(raw.data_ptr(), NBYTES, workers)
         torch.cuda.synchronize()
         with torch.cuda.stream(stream):
             for _ in range(300):

@@ -1,16 +1,15 @@
 """Capture dump writer: publish per-request hidden-state dumps without blocking the forward.
 
-A dump is a directory ``root/<name>`` holding ``tensors.safetensors`` and ``meta.json``. It is
-built in ``root/.tmp-<name>`` and published with one ``os.rename``, so a reader never sees a
-partial dump (every dot-prefixed entry under ``root`` is private to the writer).
+A dump (its layout and the consumer's API: ``patches/dump_files.py``) is built in
+``root/.tmp-<name>`` and published with one ``os.rename``, so a reader never sees a partial dump.
+The host memory and files behind it come from ``patches/host_regions.py``.
 
 Data path with CUDA (the ring): the writer keeps a few *regions*, files under ``root/.ring/`` that
 it maps (MAP_SHARED) and registers with ``cudaHostRegister`` once, when it makes them; they stay
 registered until ``close()``. A dump takes one free region: its safetensors header is written at
 the start, ``fill()`` copies device rows straight into it (D2H on a side stream, no host copy),
-and publishing moves the region file into the dump dir. The file always spans the whole region:
-the header lists the real tensors and one trailing ``__pad__`` (uint8) tensor covering the rest,
-so a pinned mapping is never truncated. ``read_dump`` hides ``__pad__``.
+and publishing moves the region file into the dump dir. The file always spans the whole region
+(a trailing ``__pad__`` tensor covers the rest), so a pinned mapping is never truncated.
 
 Recycling is a file-rename protocol, so the consumer may be another process: once done with a
 dump, the consumer calls ``release_dump(path)``, which renames its tensors file back into
@@ -31,243 +30,38 @@ Without CUDA (or when registering a mapping on ``root`` fails, e.g. root is not 
 uses the simple path: a staging buffer (pinned with CUDA) and a multi-threaded copy into a plain
 file of exactly the dump's size; ``release_dump`` then just deletes the dump.
 
-Must not import sglang: it is loaded inside the server and by offline readers alike.
+Must not import sglang: benchmarks and tests load it without a server.
 """
 
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import json
 import logging
-import math
-import mmap
 import os
 import shutil
 import threading
 import time
 import uuid
-import weakref
 from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import torch
 
+from patches.dump_files import ALIGN, RING_DIR, RING_WRITERS, TensorSpecs, layout, ring_file_size
+from patches.host_regions import PreallocatedFile, Region, can_register_files_in, copy_to_file
+
 log = logging.getLogger(__name__)
 
-_ST_DTYPES: dict[torch.dtype, str] = {
-    torch.bool: "BOOL",
-    torch.uint8: "U8",
-    torch.int8: "I8",
-    torch.int16: "I16",
-    torch.int32: "I32",
-    torch.int64: "I64",
-    torch.float16: "F16",
-    torch.bfloat16: "BF16",
-    torch.float32: "F32",
-    torch.float64: "F64",
-    torch.float8_e4m3fn: "F8_E4M3",
-    torch.float8_e5m2: "F8_E5M2",
-}
-# Data starts page-aligned (the header is padded with spaces, which safetensors allows), so every
-# tensor is as aligned as its offset within the data allows.
-_ALIGN = 4096
-_CHUNK = 16 << 20  # smallest piece one copy thread takes
-PAD_KEY = "__pad__"  # ring dumps: uint8 tensor filling the region after the real tensors
-RING_DIR = ".ring"
 _MIN_REGION = 64 << 20  # smallest region made (unless max_pending_bytes is smaller)
-_MADV_POPULATE_WRITE = 23
-_libc = ctypes.CDLL(None, use_errno=True)
-
-
-def _layout(
-    tensors: dict[str, tuple[tuple[int, ...], torch.dtype]],
-    pad_to: int | None = None,
-) -> tuple[bytes, dict[str, tuple[int, int]]]:
-    """Safetensors header (length prefix included) and each tensor's (start, end) in the file.
-
-    With ``pad_to``, a uint8 ``__pad__`` tensor follows the real ones so that the file is exactly
-    ``pad_to`` bytes long (``ValueError`` if they do not fit)."""
-    entries: dict[str, dict] = {}
-    spans: dict[str, tuple[int, int]] = {}
-    off = 0
-    for key, (shape, dtype) in tensors.items():
-        if key == PAD_KEY:
-            raise ValueError(f"{PAD_KEY} is reserved")
-        n = math.prod(shape) * dtype.itemsize
-        if off % dtype.itemsize:  # typed views need it; safetensors' own writer sorts for it
-            raise ValueError(
-                f"{key} starts at data offset {off}, not a multiple of its itemsize; "
-                "order tensors by decreasing itemsize"
-            )
-        entries[key] = {
-            "dtype": _ST_DTYPES[dtype],
-            "shape": list(shape),
-            "data_offsets": [off, off + n],
-        }
-        spans[key] = (off, off + n)
-        off += n
-
-    def encode(pad: int | None) -> bytes:
-        e = entries
-        if pad is not None:
-            e = entries | {
-                PAD_KEY: {"dtype": "U8", "shape": [pad], "data_offsets": [off, off + pad]}
-            }
-        h = json.dumps(e, separators=(",", ":")).encode()
-        return h + b" " * ((-(8 + len(h))) % _ALIGN)
-
-    if pad_to is None:
-        hdr = encode(None)
-    else:
-        pad = pad_to  # as many digits as any real pad: the header can only shrink from here
-        for _ in range(4):
-            hdr = encode(pad)
-            new = pad_to - 8 - len(hdr) - off
-            if new < 0:
-                raise ValueError(f"dump needs {8 + len(hdr) + off} bytes, region has {pad_to}")
-            if new == pad:
-                break
-            pad = new
-        else:  # pragma: no cover - the padded header length converges in two steps
-            raise AssertionError("header length did not converge")
-    base = 8 + len(hdr)
-    spans = {k: (s + base, e + base) for k, (s, e) in spans.items()}
-    return len(hdr).to_bytes(8, "little") + hdr, spans
-
-
-def _ring_need(tensors: dict[str, tuple[tuple[int, ...], torch.dtype]]) -> int:
-    """Smallest region that holds these tensors plus a ``__pad__`` entry of any length."""
-    header, spans = _layout(tensors, 1 << 62)  # 19-digit pad: the longest header
-    return max([len(header), *(e for _, e in spans.values())])
 
 
 def _size_class(n: int, floor: int) -> int:
     """Region sizes come in few classes (2**k and 1.5 * 2**k), so growth adds few regions."""
     n = max(n, floor)
     k = 1 << (n - 1).bit_length()
-    return -(-(k * 3 // 4 if k * 3 // 4 >= n else k) // _ALIGN) * _ALIGN
-
-
-def _populate(ptr: int, nbytes: int, workers: ThreadPoolExecutor, n: int = 8) -> None:
-    """Allocate the pages and build the page tables of a shared mapping from n threads
-    (MADV_POPULATE_WRITE; ctypes releases the GIL). Best effort: registration faults in the rest."""
-    step = max(-(-nbytes // n // _ALIGN) * _ALIGN, _ALIGN)
-    jobs = [
-        workers.submit(
-            _libc.madvise,
-            ctypes.c_void_p(p),
-            ctypes.c_size_t(min(step, ptr + nbytes - p)),
-            _MADV_POPULATE_WRITE,
-        )
-        for p in range(ptr, ptr + nbytes, step)
-    ]
-    for j in jobs:
-        j.result()
-
-
-def _register(ptr: int, nbytes: int) -> bool:
-    """Page-lock host memory for DMA (tests without CUDA replace this and ``_unregister``)."""
-    cudart = torch.cuda.cudart()
-    return cudart.cudaHostRegister(ptr, nbytes, 1) == cudart.cudaError.success  # portable
-
-
-def _unregister(ptr: int) -> None:
-    torch.cuda.cudart().cudaHostUnregister(ptr)
-
-
-class _Region:
-    """A file under ``root/.ring`` mapped MAP_SHARED and registered with CUDA once; it keeps its
-    inode (and so the mapping) through renames, whichever directory holds it."""
-
-    def __init__(self, ring: Path, nbytes: int, workers: ThreadPoolExecutor) -> None:
-        self.capacity = nbytes
-        self.path = ring / f"new-{uuid.uuid4().hex}"  # scans only look at free-*
-        self.state = "new"  # -> free -> open -> published -> free ... | leaked
-        self.registered = False
-        fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o644)
-        self.fd = fd
-        self.mm: mmap.mmap | None = None
-        self.buf: torch.Tensor | None = None
-        try:
-            st = os.fstat(fd)
-            self.key = (st.st_dev, st.st_ino)
-            os.ftruncate(fd, nbytes)
-            os.posix_fallocate(fd, 0, nbytes)  # GIL released
-            self.mm = mmap.mmap(fd, nbytes, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
-            self.buf = torch.frombuffer(self.mm, dtype=torch.uint8)
-            _populate(self.buf.data_ptr(), nbytes, workers)
-            if not _register(self.buf.data_ptr(), nbytes):
-                raise OSError(f"cudaHostRegister of {nbytes} bytes on {ring} failed")
-            self.registered = True
-        except BaseException:
-            self.destroy()
-            raise
-
-    def links(self) -> int:
-        return os.fstat(self.fd).st_nlink
-
-    def destroy(self, unlink: bool = True) -> None:
-        """Unregister (waits for the GPU to go idle), unmap, close; unlink if still ours."""
-        if self.registered and self.buf is not None:
-            _unregister(self.buf.data_ptr())
-            self.registered = False
-        self.buf = None
-        if self.mm is not None:
-            with contextlib.suppress(BufferError):  # a view still lives: the GC unmaps it
-                self.mm.close()
-            self.mm = None
-        if self.fd >= 0:
-            os.close(self.fd)
-            self.fd = -1
-        if unlink:
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(self.path)
-
-
-class _File:
-    """A file on ``root`` whose pages are allocated (``fallocate``), made ahead by a pool thread
-    so that neither the forward nor the publisher pays for zeroing fresh tmpfs pages."""
-
-    def __init__(self, dirpath: Path, nbytes: int) -> None:
-        dirpath.mkdir()
-        self.dir = dirpath
-        self.capacity = nbytes
-        fd = os.open(dirpath / "tensors.safetensors", os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o644)
-        try:
-            os.ftruncate(fd, nbytes)
-            os.posix_fallocate(fd, 0, nbytes)  # GIL released
-        finally:
-            os.close(fd)
-
-    def discard(self) -> None:
-        shutil.rmtree(self.dir, ignore_errors=True)
-
-
-def _write(path: Path, src: torch.Tensor, workers: ThreadPoolExecutor, nthreads: int) -> None:
-    """Copy the uint8 tensor ``src`` into the file at ``path`` (exactly as long) from several
-    threads: through a shared mapping, since tmpfs serializes write() per file."""
-    n = src.numel()
-    fd = os.open(path, os.O_RDWR)
-    try:
-        mm = mmap.mmap(fd, n, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
-    finally:
-        os.close(fd)
-    try:
-        buf = (ctypes.c_char * n).from_buffer(mm)
-        dst, s = ctypes.addressof(buf), src.data_ptr()
-        step = max(-(-n // nthreads // _ALIGN) * _ALIGN, _CHUNK)
-        # ctypes calls release the GIL, so the pieces run in parallel
-        jobs = [
-            workers.submit(ctypes.memmove, dst + a, s + a, min(step, n - a))
-            for a in range(0, n, step)
-        ]
-        for j in jobs:
-            j.result()
-        del buf
-    finally:
-        mm.close()
+    return -(-(k * 3 // 4 if k * 3 // 4 >= n else k) // ALIGN) * ALIGN
 
 
 class PendingDump:
@@ -277,14 +71,14 @@ class PendingDump:
         self,
         writer: DumpWriter,
         name: str,
-        file: _File | None,
+        file: PreallocatedFile | None,
         header: bytes,
         spans: dict[str, tuple[int, int]],
-        tensors: dict[str, tuple[tuple[int, ...], torch.dtype]],
+        tensors: TensorSpecs,
         meta: dict,
         nbytes: int,
         seq: int,
-        region: _Region | None = None,
+        region: Region | None = None,
     ) -> None:
         self.seq = seq
         self.path = writer.root / name
@@ -394,7 +188,7 @@ class PendingDump:
             path = self.tmp / "tensors.safetensors"
             if self._file.capacity > self.nbytes:
                 os.truncate(path, self.nbytes)
-            _write(path, staging, self._writer._workers, self._writer._copy_threads)
+            copy_to_file(path, staging, self._writer._workers, self._writer._copy_threads)
         meta = dict(self.meta)
         meta["tensors"] = {
             k: {"shape": list(shape), "dtype": str(dtype).removeprefix("torch.")}
@@ -404,9 +198,6 @@ class PendingDump:
         if self._region is not None:
             self._writer._published(self._region, self.path / "tensors.safetensors")
         os.rename(self.tmp, self.path)
-
-
-_WRITERS: weakref.WeakSet[DumpWriter] = weakref.WeakSet()  # live ring writers of this process
 
 
 class DumpWriter:
@@ -459,10 +250,10 @@ class DumpWriter:
         self.pin = self.device is not None and self.device.type == "cuda"
         self._pool_size = max(pool, 0)
         # region_bytes counts tensor bytes: a dump's file also holds a header (one page, mostly)
-        self._region_bytes = -(-region_bytes // _ALIGN) * _ALIGN + _ALIGN if region_bytes else 0
+        self._region_bytes = -(-region_bytes // ALIGN) * ALIGN + ALIGN if region_bytes else 0
         self._cv = threading.Condition()
         self._queue: deque[PendingDump] = deque()
-        self._ready: list[_File] = []
+        self._ready: list[PreallocatedFile] = []
         self._making = 0  # files/regions being made by pool threads
         self._wanted = 0  # open() calls waiting for a file
         self._outstanding: set[int] = set()  # seq of opened, not yet finished dumps
@@ -479,13 +270,12 @@ class DumpWriter:
         self._ring_dir = self.root / RING_DIR
         shutil.rmtree(self._ring_dir, ignore_errors=True)  # a dead writer's regions
         self._ring = bool(self.pin if ring is None else ring) and self._probe_ring()
-        self._ring_dev = os.stat(self._ring_dir).st_dev if self._ring else -1
-        self._regions: dict[int, _Region] = {}  # by inode: live, in use and leaked
-        self._free: list[_Region] = []
+        self._regions: dict[int, Region] = {}  # by inode: live, in use and leaked
+        self._free: list[Region] = []
         self._making_sizes: list[int] = []
         self._needs: list[int] = []  # sizes open() calls wait for
-        self._reclaim: list[_Region] = []
-        self._floor = max(min(_MIN_REGION, -(-max_pending_bytes // _ALIGN) * _ALIGN), _ALIGN)
+        self._reclaim: list[Region] = []
+        self._floor = max(min(_MIN_REGION, -(-max_pending_bytes // ALIGN) * ALIGN), ALIGN)
         self._class = self._region_bytes if self._ring else 0
         self.leaked_bytes = 0
         self.released = 0  # regions seen back from consumers
@@ -500,7 +290,7 @@ class DumpWriter:
             self._threads.append(
                 threading.Thread(target=self._scanner, name="dump-writer-scan", daemon=True)
             )
-            _WRITERS.add(self)
+            RING_WRITERS.add(self)
         for t in self._threads:
             t.start()
         if self.pin and self._region_bytes and not self._ring:
@@ -536,17 +326,17 @@ class DumpWriter:
     def open(
         self,
         name: str,
-        tensors: dict[str, tuple[tuple[int, ...], torch.dtype]],
+        tensors: TensorSpecs,
         meta: dict,
     ) -> PendingDump:
-        if not name or "/" in name or name.startswith(".") or name in ("..",):
+        if not name or "/" in name or name.startswith("."):
             raise ValueError(f"bad dump name {name!r}")
         if (self.root / name).exists() or (self.root / f".tmp-{name}").exists():
             raise FileExistsError(self.root / name)
         tensors = {k: (tuple(s), d) for k, (s, d) in tensors.items()}
         if self._ring:
             return self._open_region(name, tensors, meta)
-        header, spans = _layout(tensors)
+        header, spans = layout(tensors)
         nbytes = max([len(header), *(e for _, e in spans.values())])
         with self._cv:
             self._raise_error()
@@ -556,7 +346,7 @@ class DumpWriter:
                 self._raise_error()
             if self._closed:
                 raise RuntimeError("DumpWriter is closed")
-            self._region_bytes = max(self._region_bytes, -(-nbytes // _ALIGN) * _ALIGN)
+            self._region_bytes = max(self._region_bytes, -(-nbytes // ALIGN) * ALIGN)
             self._wanted += 1
             try:
                 while True:  # files come from the pool threads; wait if none fits yet
@@ -585,10 +375,8 @@ class DumpWriter:
             self._done(seq, nbytes)
             raise
 
-    def _open_region(
-        self, name: str, tensors: dict[str, tuple[tuple[int, ...], torch.dtype]], meta: dict
-    ) -> PendingDump:
-        need = _ring_need(tensors)
+    def _open_region(self, name: str, tensors: TensorSpecs, meta: dict) -> PendingDump:
+        need = ring_file_size(tensors)
         with self._cv:
             self._raise_error()
             if self._closed:
@@ -632,7 +420,7 @@ class DumpWriter:
             dst = tmp / "tensors.safetensors"
             os.rename(region.path, dst)
             region.path = dst
-            header, spans = _layout(tensors, region.capacity)
+            header, spans = layout(tensors, region.capacity)
             return PendingDump(
                 self, name, None, header, spans, tensors, dict(meta), region.capacity, seq, region
             )
@@ -669,7 +457,7 @@ class DumpWriter:
                 f.discard()
             self._ready = []
             if self._ring:
-                _WRITERS.discard(self)
+                RING_WRITERS.discard(self)
                 with self._cv:
                     self._scan_locked()
                     regions = [*self._regions.values(), *self._reclaim]
@@ -734,23 +522,10 @@ class DumpWriter:
 
     # -- ring -----------------------------------------------------------------------------------
     def _probe_ring(self) -> bool:
-        """Can a mapping of a file on root be registered (tmpfs can; most disk filesystems no)?"""
-        probe = self._ring_dir / "probe"
+        """Use the ring only if files on root can be registered; otherwise warn and fall back."""
         try:
             self._ring_dir.mkdir()
-            fd = os.open(probe, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
-            try:
-                os.ftruncate(fd, _ALIGN)
-                mm = mmap.mmap(fd, _ALIGN, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
-            finally:
-                os.close(fd)
-            buf = torch.frombuffer(mm, dtype=torch.uint8)
-            ok = _register(buf.data_ptr(), _ALIGN)
-            if ok:
-                _unregister(buf.data_ptr())
-            del buf
-            mm.close()
-            os.unlink(probe)
+            ok = can_register_files_in(self._ring_dir)
         except Exception:  # e.g. no CUDA at all
             log.exception("DumpWriter: probing %s", self._ring_dir)
             ok = False
@@ -765,7 +540,7 @@ class DumpWriter:
             shutil.rmtree(self._ring_dir, ignore_errors=True)
         return ok
 
-    def _take_free(self, need: int) -> _Region | None:
+    def _take_free(self, need: int) -> Region | None:
         fits = [r for r in self._free if r.capacity >= need]
         if not fits:
             return None
@@ -773,7 +548,8 @@ class DumpWriter:
         self._free.remove(region)
         return region
 
-    def _poke(self) -> None:
+    def poke(self) -> None:
+        """A dump on root was released in this process: look for its region now."""
         with self._cv:
             self._scan_locked()
 
@@ -808,7 +584,7 @@ class DumpWriter:
         if changed:
             self._cv.notify_all()
 
-    def _leak(self, r: _Region, why: str) -> None:
+    def _leak(self, r: Region, why: str) -> None:
         """Lock held. Unregistering now would stall the GPU: keep the region until close()."""
         r.state = "leaked"
         self._pending -= r.capacity
@@ -833,7 +609,7 @@ class DumpWriter:
                 len(gone),
             )
 
-    def _return_region(self, r: _Region) -> None:
+    def _return_region(self, r: Region) -> None:
         """An open region goes back to free (abort, or open() failing)."""
         free = self._ring_dir / f"free-{uuid.uuid4().hex}"
         try:
@@ -863,7 +639,7 @@ class DumpWriter:
                 break
         self._return_region(r)
 
-    def _published(self, r: _Region, path: Path) -> None:
+    def _published(self, r: Region, path: Path) -> None:
         with self._cv:
             r.state = "published"
             r.path = path
@@ -920,7 +696,7 @@ class DumpWriter:
                 continue
             region = None
             try:
-                region = _Region(self._ring_dir, size, self._workers)
+                region = Region(self._ring_dir, size, self._workers)
             except BaseException as e:
                 log.exception("DumpWriter: making a %d-byte region failed", size)
                 with self._cv:
@@ -967,7 +743,7 @@ class DumpWriter:
             try:
                 if stale is not None:
                     stale.discard()
-                file = _File(path, size)
+                file = PreallocatedFile(path, size)
             except BaseException as e:
                 log.exception("DumpWriter: allocating a %d-byte file failed", size)
                 shutil.rmtree(path, ignore_errors=True)
@@ -981,42 +757,3 @@ class DumpWriter:
                     self._cv.notify_all()
             if file is None:
                 time.sleep(1.0)  # e.g. root is full: reported via open()/flush(); retry, no spin
-
-
-def read_dump(path: Path) -> tuple[dict[str, torch.Tensor], dict]:
-    """Load a published dump: its tensors (stock safetensors, no pickle) and its meta.
-
-    The tensors map the file (no copy): with a ring writer they are valid until
-    ``release_dump(path)``, after which the writer reuses the memory; clone what you keep."""
-    from safetensors import safe_open
-
-    path = Path(path)
-    with safe_open(path / "tensors.safetensors", framework="pt") as f:
-        tensors = {k: f.get_tensor(k) for k in f.keys() if k != PAD_KEY}  # noqa: SIM118
-    return tensors, json.loads((path / "meta.json").read_text())
-
-
-def release_dump(path: Path) -> None:
-    """Done with a published dump: give its memory back to the writer and remove it.
-
-    With a ring writer alive on the dump's root, the tensors file is renamed into ``.ring/``
-    (same inode: the writer reuses its registered mapping); otherwise the dump is deleted. The dump
-    directory is gone afterwards; tensors read from it must not be used any more. Safe to call
-    from any process; a dump already gone is a no-op."""
-    path = Path(path)
-    root = path.parent
-    ring = root / RING_DIR
-    if ring.is_dir():
-        # FileNotFoundError: dump gone, or the writer closed (its ring removed) meanwhile
-        with contextlib.suppress(FileNotFoundError):
-            os.rename(path / "tensors.safetensors", ring / f"free-{uuid.uuid4().hex}")
-    shutil.rmtree(path, ignore_errors=True)
-    if _WRITERS:
-        try:
-            key = os.stat(root)
-        except FileNotFoundError:
-            return
-        for w in list(_WRITERS):
-            with contextlib.suppress(FileNotFoundError):
-                if os.path.samestat(os.stat(w.root), key):
-                    w._poke()

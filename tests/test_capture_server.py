@@ -16,7 +16,7 @@ from transformers import AutoTokenizer
 
 from actors.capture_client import CaptureResponse, generate_and_capture, wait_for_dump
 from actors.sglang_server import ServerSpec, SGLangServer
-from patches.dump_writer import read_dump
+from patches.dump_files import read_dump
 from patches.settings import META_INFO_KEY, CaptureSettings
 from tests.hf_reference import Reference, assert_matches, reference_states, relative_error
 

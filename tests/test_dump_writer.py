@@ -1,4 +1,5 @@
-"""Tests for patches/dump_writer.py (CPU always; CUDA tests skip without a GPU)."""
+"""Tests for patches/dump_writer.py and its dump_files and host_regions modules (CPU always; CUDA
+tests skip without a GPU)."""
 
 from __future__ import annotations
 
@@ -16,8 +17,11 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file
 
+from patches import dump_files as df
 from patches import dump_writer as dw
-from patches.dump_writer import DumpWriter, read_dump, release_dump
+from patches import host_regions
+from patches.dump_files import read_dump, release_dump
+from patches.dump_writer import DumpWriter
 
 
 def cuda(f):
@@ -402,8 +406,8 @@ def ring_mode(request, monkeypatch):
         if not torch.cuda.is_available():
             pytest.skip("needs CUDA")
         return "cuda"
-    monkeypatch.setattr(dw, "_register", lambda ptr, n: True)
-    monkeypatch.setattr(dw, "_unregister", lambda ptr: None)
+    monkeypatch.setattr(host_regions, "cuda_register", lambda ptr, n: True)
+    monkeypatch.setattr(host_regions, "cuda_unregister", lambda ptr: None)
     return "fake"
 
 
@@ -442,11 +446,11 @@ def test_ring_release_reuses_region(shm_path: Path, ring_mode: str) -> None:
     assert st.st_size == w.pending_bytes == w.ring_stats()["bytes"]  # the whole region
     # stock safetensors accepts the padded file; read_dump hides the padding
     loaded = load_file(a / "tensors.safetensors")
-    assert set(loaded) == {"ids", "h", dw.PAD_KEY} and loaded[dw.PAD_KEY].dtype == torch.uint8
+    assert set(loaded) == {"ids", "h", df.PAD_KEY} and loaded[df.PAD_KEY].dtype == torch.uint8
     with safe_open(a / "tensors.safetensors", framework="pt") as f:
         assert torch.equal(f.get_tensor("ids"), ids)
     tensors, meta = read_dump(a)
-    assert set(tensors) == {"ids", "h"} and dw.PAD_KEY not in meta["tensors"]
+    assert set(tensors) == {"ids", "h"} and df.PAD_KEY not in meta["tensors"]
     assert torch.equal(tensors["h"].view(torch.int16), h.view(torch.int16))
     del tensors, loaded
 
@@ -510,7 +514,7 @@ def test_ring_abort_returns_region(shm_path: Path, ring_mode: str) -> None:
     pd.abort()
     w.flush(timeout=30)
     assert w.pending_bytes == 0 and w.ring_stats()["free"] == 1
-    assert [p for p in os.listdir(w.root) if p != dw.RING_DIR] == []
+    assert [p for p in os.listdir(w.root) if p != df.RING_DIR] == []
     w.open("b", {"x": ((10,), torch.float32)}, {}).publish()
     w.close(timeout=30)
     assert sorted(os.listdir(w.root)) == ["b"]
@@ -572,14 +576,14 @@ def test_release_dump_without_ring_deletes(writer: DumpWriter) -> None:
 
 def test_ring_cleans_stale_and_foreign_region_files(shm_path: Path, ring_mode: str) -> None:
     root = shm_path / "d"
-    (root / dw.RING_DIR).mkdir(parents=True)
-    (root / dw.RING_DIR / "free-stale").write_bytes(b"x")  # a dead writer's region
+    (root / df.RING_DIR).mkdir(parents=True)
+    (root / df.RING_DIR / "free-stale").write_bytes(b"x")  # a dead writer's region
     w = _ring_writer(shm_path, ring_mode, pool=0)
-    assert os.listdir(root / dw.RING_DIR) == []
+    assert os.listdir(root / df.RING_DIR) == []
     w.open("a", {"x": ((4,), torch.float32)}, {}).publish()
     w.flush(timeout=30)
-    (root / dw.RING_DIR / "free-foreign").write_bytes(b"x")
+    (root / df.RING_DIR / "free-foreign").write_bytes(b"x")
     release_dump(root / "a")
-    assert "free-foreign" not in os.listdir(root / dw.RING_DIR)
+    assert "free-foreign" not in os.listdir(root / df.RING_DIR)
     w.close(timeout=30)
     assert os.listdir(root) == []

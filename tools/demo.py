@@ -15,7 +15,7 @@ from pathlib import Path
 
 from actors.capture_client import generate_and_capture, wait_for_dump
 from actors.sglang_server import ServerSpec, SGLangServer
-from patches.dump_writer import read_dump
+from patches.dump_files import read_dump
 from patches.settings import CaptureSettings
 from tools.tiny_models import ensure_models
 
