@@ -55,7 +55,14 @@ def verify_dump(
     for name in ("aux_hidden_states", "final_hidden_states"):
         if str(tensors[name].dtype).removeprefix("torch.") != manifest.dtype:
             raise DumpMismatch(f"{name} is {tensors[name].dtype}, the store holds {manifest.dtype}")
-        finite = torch.isfinite(tensors[name])
+        finite = _finite(tensors[name])
         if not bool(finite.all()):
             row = int((~finite).reshape(p, -1).any(dim=1).nonzero()[0])
             raise DumpMismatch(f"{name} has non-finite values from token {row}")
+
+
+def _finite(x: torch.Tensor) -> torch.Tensor:
+    """isfinite; for bf16 read off the exponent bits: twice as fast as torch's bf16 path on CPU."""
+    if x.dtype == torch.bfloat16:
+        return (x.view(torch.int16) & 0x7F80) != 0x7F80
+    return torch.isfinite(x)

@@ -31,7 +31,12 @@ import torch
 from transformers import AutoTokenizer
 
 from actors.calibration import PROBE_TEXT, Calibration, calibrate
-from actors.capture_client import CaptureError, generate_and_capture, wait_for_dump
+from actors.capture_client import (
+    CaptureError,
+    CaptureResponse,
+    generate_and_capture,
+    wait_for_dump,
+)
 from actors.dump_verify import DumpMismatch, verify_dump
 from actors.sglang_server import ServerError, ServerSpec, SGLangServer
 from actors.shard_writer import LeaseLost, ShardWriter
@@ -197,12 +202,10 @@ class NodeWorker:
         started = time.monotonic()
         self.progress = {"shard": shard.index, "written": 0, "failed": 0}
         ids = np.asarray(self.store.group["input_ids"][shard.token_begin : shard.token_end])
-        planned = {
-            i: ids[self.store.sample_rows(i).start - shard.token_begin :][
-                : int(self.store.sample_length[i])
-            ]
-            for i in range(shard.sample_begin, shard.sample_end)
-        }
+        planned = {}
+        for i in range(shard.sample_begin, shard.sample_end):
+            rows = self.store.sample_rows(i)
+            planned[i] = ids[rows.start - shard.token_begin : rows.stop - shard.token_begin]
         attempts: Counter[int] = Counter()
         with LeaseKeeper(self.queue, lease, self.config.heartbeat_seconds) as keeper:
             writer = ShardWriter(
@@ -235,21 +238,29 @@ class NodeWorker:
         writer: ShardWriter,
     ) -> list[int]:
         """Keep K requests in flight over `todo` until each sample is written or failed; returns
-        the samples left unwritten because the server died (empty otherwise). Rows are handed
-        to the writer from this thread only, so dumps in memory are bounded by K."""
+        the samples left unwritten because the server died (empty otherwise).
+
+        Two stages, so the server never waits on our post-processing: a request's slot is
+        refilled as soon as its response arrives, while its dump is read and verified on
+        another thread. Rows reach the writer from this thread only. Dumps held at once: at
+        most K being read plus K more awaiting their reader."""
         queue, left = list(todo), []
-        with ThreadPoolExecutor(self.config.inflight, thread_name_prefix="capture") as pool:
-            running: dict[Future[Captured], int] = {}
-            while queue or running:
-                while queue and len(running) < self.config.inflight:
+        sending: dict[Future[CaptureResponse], int] = {}
+        reading: dict[Future[Captured], int] = {}
+        with (
+            ThreadPoolExecutor(self.config.inflight, thread_name_prefix="request") as requesters,
+            ThreadPoolExecutor(self.config.inflight, thread_name_prefix="read") as readers,
+        ):
+            while queue or sending or reading:
+                while queue and len(sending) < self.config.inflight:
                     i = queue.pop(0)
                     attempts[i] += 1
-                    running[pool.submit(self._capture_one, i, planned[i], attempts[i])] = i
-                done, _ = wait(running, return_when=FIRST_COMPLETED)
+                    sending[requesters.submit(self._request, i, planned[i], attempts[i])] = i
+                done, _ = wait([*sending, *reading], return_when=FIRST_COMPLETED)
                 for future in done:
-                    i = running.pop(future)
+                    i = sending.pop(future) if future in sending else reading.pop(future)
                     try:
-                        captured = future.result()
+                        result = future.result()
                     except (DumpMismatch, CaptureError, requests.RequestException) as exc:
                         if isinstance(exc, requests.RequestException) and not self._server_ok():
                             attempts[i] -= 1  # the server's death is not the sample's fault
@@ -261,18 +272,10 @@ class NodeWorker:
                             self.progress["failed"] += 1
                             self.metrics.failed.inc()
                         continue
-                    t0 = time.perf_counter()
-                    release = functools.partial(release_dump, captured.dump_path)
-                    try:
-                        # The rows may still be read after this returns: the writer gives the
-                        # dump back (to the server's pinned ring) once it is done with them.
-                        writer.write_sample(i, captured.aux, captured.final, on_release=release)
-                    except BaseException:
-                        release()
-                        raise
-                    nbytes = captured.aux.nbytes + captured.final.nbytes
-                    self.metrics.record_write(time.perf_counter() - t0, nbytes)
-                    self.progress["written"] += 1
+                    if isinstance(result, CaptureResponse):
+                        reading[readers.submit(self._read_verified, result, planned[i])] = i
+                    else:
+                        self._write(i, result, writer)
                 if left:  # the server is gone: what is queued waits for its restart
                     left += queue
                     queue = []
@@ -281,9 +284,9 @@ class NodeWorker:
     def _server_ok(self) -> bool:
         return self.server is not None and self.server.alive() and self.server.healthy()
 
-    def _capture_one(self, i: int, input_ids: np.ndarray, attempt: int) -> Captured:
-        """Prefill sample i and return its verified rows (runs on a capture thread)."""
-        assert self.server is not None and self.calibration is not None
+    def _request(self, i: int, input_ids: np.ndarray, attempt: int) -> CaptureResponse:
+        """Prefill sample i (a request thread); its dump is published meanwhile."""
+        assert self.server is not None
         rid = f"{self.config.rid_prefix}s{i}-a{attempt}-{uuid.uuid4().hex[:8]}"
         t0 = time.perf_counter()
         response = generate_and_capture(
@@ -293,13 +296,19 @@ class NodeWorker:
             timeout=self.config.request_timeout,
             session=self._http,
         )
-        t1 = time.perf_counter()
+        self.metrics.record_request(len(input_ids), time.perf_counter() - t0)
+        return response
+
+    def _read_verified(self, response: CaptureResponse, input_ids: np.ndarray) -> Captured:
+        """Read a dump and check it against its planned sample (a reader thread)."""
+        assert self.calibration is not None
+        t0 = time.perf_counter()
         try:
             tensors, meta = read_dump(wait_for_dump(response.dump_path))
             verify_dump(
                 tensors,
                 meta,
-                rid=rid,
+                rid=response.rid,
                 input_ids=input_ids,
                 cached_tokens=int(response.meta_info.get("cached_tokens", 0)),
                 manifest=self.store.manifest,
@@ -308,12 +317,25 @@ class NodeWorker:
         except BaseException:
             release_dump(response.dump_path)
             raise
-        self.metrics.record_capture(
-            len(input_ids), request=t1 - t0, verify=time.perf_counter() - t1
-        )
+        self.metrics.record_verify(time.perf_counter() - t0)
         return Captured(
             tensors["aux_hidden_states"], tensors["final_hidden_states"], response.dump_path
         )
+
+    def _write(self, i: int, captured: Captured, writer: ShardWriter) -> None:
+        t0 = time.perf_counter()
+        release = functools.partial(release_dump, captured.dump_path)
+        try:
+            # The rows may still be read after this returns: the writer gives the dump back
+            # (to the server's pinned ring) once it is done with them.
+            writer.write_sample(i, captured.aux, captured.final, on_release=release)
+        except BaseException:
+            release()
+            raise
+        self.metrics.record_write(
+            time.perf_counter() - t0, captured.aux.nbytes + captured.final.nbytes
+        )
+        self.progress["written"] += 1
 
     def _summary(self, lease: Lease, started: float, writer: ShardWriter) -> dict[str, Any]:
         seconds = time.monotonic() - started

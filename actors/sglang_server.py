@@ -13,6 +13,7 @@ and a KV cap. Without a GPU it adds the CPU flags.
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -78,6 +79,9 @@ def build_env(spec: ServerSpec) -> dict[str, str]:
         if key.startswith("HIDDEN_CAPTURE_"):
             del env[key]  # the spec, not the caller's environment, configures the plugin
     env.update(spec.capture.to_env())
+    # Ray caps OMP_NUM_THREADS at its worker's CPU count (1 by default) and a server started
+    # from an actor would inherit it: measured here, that halved CPU prefill throughput.
+    env.pop("OMP_NUM_THREADS", None)
     if (spec.device or ("cuda" if torch.cuda.is_available() else "cpu")) == "cpu":
         env["SGLANG_USE_CPU_ENGINE"] = "1"  # without it SGLang's CPU path imports vllm
     env.update(spec.extra_env)
@@ -101,7 +105,7 @@ class SGLangServer:
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         with open(self.log_path, "ab") as log:
             self.process = subprocess.Popen(
-                build_command(self.spec, self.port),
+                _die_with_parent() + build_command(self.spec, self.port),
                 env=build_env(self.spec),
                 stdout=log,
                 stderr=subprocess.STDOUT,
@@ -161,6 +165,14 @@ class SGLangServer:
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
+
+
+def _die_with_parent() -> list[str]:
+    """A command prefix that sends the server SIGTERM when the process that started it dies,
+    so a crashed or killed worker never leaves an orphaned server holding the node's GPUs
+    (the server runs in its own session, out of reach of its parent's group)."""
+    setpriv = shutil.which("setpriv")  # util-linux; prctl(PR_SET_PDEATHSIG), kept across exec
+    return [setpriv, "--pdeathsig", "TERM", "--"] if setpriv else []
 
 
 def _wait_group_gone(leader: subprocess.Popen[bytes], timeout: float) -> bool:

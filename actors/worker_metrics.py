@@ -34,10 +34,12 @@ class WorkerMetrics:
         )
         self.stage_seconds.set_default_tags(tags)
 
-    def record_capture(self, tokens: int, *, request: float, verify: float) -> None:
+    def record_request(self, tokens: int, seconds: float) -> None:
         self.tokens.inc(tokens)
-        self.stage_seconds.observe(request, tags={"stage": "request"})
-        self.stage_seconds.observe(verify, tags={"stage": "verify"})
+        self.stage_seconds.observe(seconds, tags={"stage": "request"})
+
+    def record_verify(self, seconds: float) -> None:
+        self.stage_seconds.observe(seconds, tags={"stage": "verify"})
 
     def record_write(self, seconds: float, nbytes: int) -> None:
         self.samples.inc()
