@@ -87,6 +87,17 @@ def worker_config(model_path: Path, store_url: Path, tmp_path: Path, **overrides
     return WorkerConfig(**{**defaults, **overrides})
 
 
+def start_worker(config: WorkerConfig, queue: ray.actor.ActorHandle, written: int) -> tuple:
+    """Start a worker's run and return (worker, run) once it has written `written` samples."""
+    worker = NodeWorker.options(resources={"sglang_node": 1}).remote(config, queue)
+    run = worker.run.remote()
+    deadline = time.monotonic() + 300
+    while ray.get(worker.status.remote())["written"] < written:
+        assert time.monotonic() < deadline, "the worker made no progress"
+        time.sleep(0.1)
+    return worker, run
+
+
 def assert_store_matches_reference(store: Store, model_path: Path, shards: list[int]) -> None:
     g = store.group
     for k in shards:
@@ -134,13 +145,7 @@ def test_server_killed_mid_shard_is_restarted_and_the_shard_completes(
     store = plan_store(deepseek_path, tmp_path / "store.zarr", count=24, per_shard=24)
     queue = ShardQueueActor.remote(range(len(store.shards)), lease_seconds=60)
     config = worker_config(deepseek_path, tmp_path / "store.zarr", tmp_path, inflight=2)
-    worker = NodeWorker.options(resources={"sglang_node": 1}).remote(config, queue)
-    run = worker.run.remote()
-
-    deadline = time.monotonic() + 300
-    while ray.get(worker.status.remote())["written"] < 3:
-        assert time.monotonic() < deadline, "the worker made no progress"
-        time.sleep(0.2)
+    worker, run = start_worker(config, queue, written=3)
     os.killpg(ray.get(worker.server_pid.remote()), signal.SIGKILL)
 
     (summary,) = ray.get(run, timeout=600)
@@ -170,12 +175,7 @@ def test_worker_whose_lease_is_revoked_stops_writing_and_does_not_commit(
     store = plan_store(deepseek_path, tmp_path / "store.zarr", count=40, per_shard=40)
     queue = ShardQueueActor.remote([0], lease_seconds=60)
     config = worker_config(deepseek_path, tmp_path / "store.zarr", tmp_path, inflight=1)
-    worker = NodeWorker.options(resources={"sglang_node": 1}).remote(config, queue)
-    run = worker.run.remote()
-    deadline = time.monotonic() + 300
-    while ray.get(worker.status.remote())["written"] < 2:
-        assert time.monotonic() < deadline, "the worker made no progress"
-        time.sleep(0.1)
+    _, run = start_worker(config, queue, written=2)
     # The shard is revoked and handed to another worker at once (Ray runs one caller's calls
     # to an actor in order), so this worker cannot lease it again.
     queue.revoke.remote(0)
