@@ -241,3 +241,13 @@ def test_deepseek_mla_on_cpu_is_wrong_without_the_fix(deepseek_path: Path, tmp_p
         pytest.fail("the unfixed MLA path served a prefill; drop the workaround?")
     finally:
         server.stop()
+
+
+def test_a_finished_rid_sent_again_is_captured_again(capturing: CapturingServer) -> None:
+    first, second = prompts(capturing.model_path, 2)
+    a = generate_and_capture(capturing.server.url, "hsx-reused", input_ids=first)
+    b = generate_and_capture(capturing.server.url, "hsx-reused", input_ids=second)
+    assert b.dump_index > a.dump_index
+    for response, ids in ((a, first), (b, second)):
+        tensors, meta = read_dump(wait_for_dump(response.dump_path))
+        assert meta["rid"] == "hsx-reused" and tensors["input_ids"].tolist() == ids
