@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from patches.dump_format import LAYER_CONVENTION
+from patches.dump_files import LAYER_CONVENTION
 
 # Models whose set_eagle3_layers_to_capture takes explicit ids as given unless the first is 1
 # (then every id gets +1): SGLang 0.5.23's deepseek_v2.py, which Kimi-K2.5 delegates to. The

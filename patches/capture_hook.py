@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-from patches.dump_format import DUMP_FORMAT, DUMP_FORMAT_VERSION, LAYER_CONVENTION
+from patches.dump_files import DUMP_FORMAT, DUMP_FORMAT_VERSION, LAYER_CONVENTION
 from patches.dump_writer import DumpWriter, PendingDump
 from patches.settings import META_INFO_KEY, CaptureSettings
 

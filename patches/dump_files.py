@@ -26,6 +26,14 @@ import torch
 
 TensorSpecs = dict[str, tuple[tuple[int, ...], torch.dtype]]  # name -> (shape, dtype)
 
+# What a dump's meta.json says about itself; the cluster plans and checks against the same words.
+DUMP_FORMAT = "hidden-capture-dump"
+DUMP_FORMAT_VERSION = 1
+LAYER_CONVENTION = (
+    "aux slot j is the residual stream entering decoder layer layer_ids[j], "
+    "i.e. HF transformers output_hidden_states[layer_ids[j]]"
+)
+
 _ST_DTYPES: dict[torch.dtype, str] = {
     torch.bool: "BOOL",
     torch.uint8: "U8",
