@@ -1,12 +1,14 @@
 """The per-node Ray actor: owns one patched SGLang server and turns leased shards into rows.
 
     worker = NodeWorker.options(resources={"sglang_node": 1}).remote(config, queue)
-    summaries = ray.get(worker.run.remote())     # until the queue has nothing left
+    summaries = ray.get(worker.run.remote())     # until every shard is done
 
 run(): start the server (TP = the node's GPUs; CPU flags where there are none) -> calibrate ->
 loop: lease a shard -> K requests in flight -> read + verify each dump -> hand rows to the shard
-writer -> commit -> complete the lease. The server is restarted (bounded, with backoff) and
-calibrated again when it dies; the shard then resumes with its unwritten samples.
+writer -> claim + commit -> complete the lease. With nothing to lease it waits (a dead worker's
+shards or a straggler may still come its way) until the queue says the job is finished. The
+server is restarted (bounded, with backoff) and calibrated again when it dies; the shard then
+resumes with its unwritten samples.
 """
 
 from __future__ import annotations
@@ -15,7 +17,6 @@ import functools
 import os
 import shutil
 import socket
-import threading
 import time
 import uuid
 from collections import Counter
@@ -38,8 +39,9 @@ from actors.capture_client import (
     wait_for_dump,
 )
 from actors.dump_verify import DumpMismatch, verify_dump
+from actors.lease_keeper import LeaseKeeper, LeaseLost, ray_caller
 from actors.sglang_server import ServerError, ServerSpec, SGLangServer
-from actors.shard_writer import LeaseLost, ShardWriter
+from actors.shard_writer import ShardWriter
 from actors.worker_metrics import WorkerMetrics
 from cluster.shard_queue import Lease
 from cluster.store import Store
@@ -52,6 +54,7 @@ class WorkerConfig:
     model_path: str
     store_url: str
     aux_layer_ids: list[int] | None = None
+    trust_remote_code: bool = False  # for the tokenizer (the server gets its own flag)
     tp_size: int | None = None  # None: every GPU of the node (1 on a CPU node)
     server_args: list[str] = field(default_factory=list)
     max_total_tokens: int | None = None  # None: SGLang's own sizing on GPU, 8192 on CPU
@@ -66,6 +69,8 @@ class WorkerConfig:
     rid_prefix: str = "hsx-"
     max_pending_bytes: int = 4 << 30
     writer_threads: int = 2
+    idle_poll_seconds: float = 1.0  # nothing to lease: ask again this often
+    fence_timeout: float = 600.0  # a claimant waits this long for a former holder's write
 
 
 @dataclass(frozen=True)
@@ -75,36 +80,6 @@ class Captured:
     dump_path: Path
 
 
-class LeaseKeeper:
-    """Renews a lease in the background while a shard is processed; `is_current()` asks the
-    queue itself, so the shard writer stops at its next write once the lease is gone."""
-
-    def __init__(self, queue: Any, lease: Lease, interval: float) -> None:
-        self._queue, self._lease, self._interval = queue, lease, interval
-        self._lost = threading.Event()
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._beat, daemon=True, name="lease-heartbeat")
-
-    def __enter__(self) -> LeaseKeeper:
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self._stop.set()
-        self._thread.join()
-
-    def is_current(self) -> bool:
-        if not self._lost.is_set() and not ray.get(
-            self._queue.heartbeat.remote(self._lease.lease_id)
-        ):
-            self._lost.set()
-        return not self._lost.is_set()
-
-    def _beat(self) -> None:
-        while not self._stop.wait(self._interval) and self.is_current():
-            pass
-
-
 @ray.remote(max_concurrency=4)  # run() is long; status and server_pid answer meanwhile
 class NodeWorker:
     def __init__(self, config: WorkerConfig, queue: Any, worker_id: str | None = None) -> None:
@@ -112,7 +87,9 @@ class NodeWorker:
         self.queue = queue
         self.id = worker_id or f"{socket.gethostname()}-{os.getpid()}"
         self.store = Store.open(config.store_url, mode="r+")
-        tokenizer = AutoTokenizer.from_pretrained(config.model_path)
+        tokenizer = AutoTokenizer.from_pretrained(
+            config.model_path, trust_remote_code=config.trust_remote_code
+        )
         self.probe_ids: list[int] = tokenizer(PROBE_TEXT)["input_ids"]
         self.dump_dir = Path(config.dump_root) / f"hsx-dumps-{self.id}-{uuid.uuid4().hex[:8]}"
         self.server: SGLangServer | None = None
@@ -129,8 +106,15 @@ class NodeWorker:
         summaries = []
         try:
             self._start_server()
-            while (lease := ray.get(self.queue.acquire.remote(self.id))) is not None:
-                summaries.append(self._process(lease))
+            while True:
+                lease = ray.get(self.queue.acquire.remote(self.id))
+                if lease is not None:
+                    summaries.append(self._process(lease))
+                elif ray.get(self.queue.finished.remote()):
+                    break
+                else:
+                    self.progress = {"shard": None, "written": 0, "failed": 0}
+                    time.sleep(self.config.idle_poll_seconds)
         finally:
             self.shutdown()
         return summaries
@@ -200,17 +184,31 @@ class NodeWorker:
     def _process(self, lease: Lease) -> dict[str, Any]:
         shard = self.store.shards[lease.shard]
         started = time.monotonic()
-        self.progress = {"shard": shard.index, "written": 0, "failed": 0}
+        self.progress = {
+            "shard": shard.index,
+            "written": 0,
+            "failed": 0,
+            "deferred": lease.deferred,
+        }
         ids = np.asarray(self.store.group["input_ids"][shard.token_begin : shard.token_end])
         planned = {}
         for i in range(shard.sample_begin, shard.sample_end):
             rows = self.store.sample_rows(i)
             planned[i] = ids[rows.start - shard.token_begin : rows.stop - shard.token_begin]
         attempts: Counter[int] = Counter()
-        with LeaseKeeper(self.queue, lease, self.config.heartbeat_seconds) as keeper:
-            writer = ShardWriter(
-                self.store, shard, self.config.writer_threads, is_current=keeper.is_current
-            )
+        call = ray_caller(self.queue)
+        with LeaseKeeper(call, lease, self.config.heartbeat_seconds) as keeper:
+            try:
+                writer = ShardWriter(
+                    self.store,
+                    shard,
+                    self.config.writer_threads,
+                    fence=keeper,
+                    spill_dir=self.dump_dir / f"spill-{lease.lease_id}" if lease.deferred else None,
+                    fence_timeout=self.config.fence_timeout,
+                )
+            except LeaseLost:
+                return {**self._summary(lease, started, None), "lease_lost": True}
             try:
                 todo = sorted(planned)
                 while todo:
@@ -221,9 +219,9 @@ class NodeWorker:
             except LeaseLost:
                 writer.abort()
                 return {**self._summary(lease, started, writer), "lease_lost": True}
-            except BaseException:
+            except BaseException as exc:
                 writer.abort()
-                ray.get(self.queue.release.remote(lease.lease_id))
+                ray.get(self.queue.release.remote(lease.lease_id, f"{type(exc).__name__}: {exc}"))
                 raise
         if not ray.get(self.queue.complete.remote(lease.lease_id, summary)):
             return {**summary, "lease_lost": True}
@@ -337,7 +335,7 @@ class NodeWorker:
         )
         self.progress["written"] += 1
 
-    def _summary(self, lease: Lease, started: float, writer: ShardWriter) -> dict[str, Any]:
+    def _summary(self, lease: Lease, started: float, writer: ShardWriter | None) -> dict[str, Any]:
         seconds = time.monotonic() - started
         shard = self.store.shards[lease.shard]
         tokens = shard.token_end - shard.token_begin
@@ -350,6 +348,7 @@ class NodeWorker:
             "tokens": tokens,
             "seconds": round(seconds, 3),
             "tokens_per_s": round(tokens / seconds, 1) if seconds else None,
-            "bytes_written": writer.bytes_written,
+            "bytes_written": writer.bytes_written if writer else 0,
+            "deferred": lease.deferred,
             "server_restarts": self.restarts,
         }

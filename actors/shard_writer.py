@@ -1,27 +1,28 @@
 """Writes one leased work shard's hidden-state rows into the store (worker side).
 
 The rules it keeps (cluster/store.py): whole chunks only, one writer per chunk, the commit marker
-last, nothing written once the lease is lost.
+last, nothing written once the lease is lost. Every store write goes through the lease's write
+fence (actors/lease_keeper.py); a deferred lease's chunks wait in a local spill directory until
+its claim on the shard wins, and are written then.
 """
 
 from __future__ import annotations
 
 import json
+import shutil
 import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
+from pathlib import Path
 from typing import Any
 
 import ml_dtypes
 import numpy as np
 import torch
 
+from actors.lease_keeper import LeaseLost, Unfenced, WriteFence
 from cluster.store import STATUS_FAILED, STATUS_PLANNED, STATUS_WRITTEN, Shard, Store
-
-
-class LeaseLost(RuntimeError):
-    """The worker no longer holds this shard's lease: it wrote nothing more and did not commit."""
 
 
 def _as_stored(x: np.ndarray | torch.Tensor, dtype: str, what: str) -> np.ndarray:
@@ -93,8 +94,9 @@ class ShardWriter:
     memory. Writes run on a small thread pool (zstd and file I/O release the GIL); memory is
     bounded by the chunks still being assembled plus 2 * threads queued (write_sample waits).
 
-    is_current() is checked before every chunk write and before the commit; once it returns
-    False nothing more is written, write_sample/mark_failed/commit raise LeaseLost.
+    Every store write goes through `fence`; once the lease is lost nothing more is written and
+    write_sample/mark_failed/commit raise LeaseLost. With `spill_dir` (a deferred lease) chunks
+    go to local files first and reach the store only after `commit` has claimed the shard.
     `bytes_written` counts the sample payload bytes written (uncompressed, padding excluded);
     `seconds` the time callers spent blocked in this writer.
     """
@@ -104,10 +106,17 @@ class ShardWriter:
         store: Store,
         shard: Shard,
         threads: int = 2,
-        is_current: Callable[[], bool] = lambda: True,
+        fence: WriteFence | None = None,
+        spill_dir: Path | None = None,
+        fence_timeout: float = 600.0,
     ) -> None:
         m = store.manifest
-        self.store, self.shard, self.is_current = store, shard, is_current
+        self.store, self.shard = store, shard
+        self.fence = fence or Unfenced()
+        self._spill, self._spilled = spill_dir, set()
+        self._fence_timeout = fence_timeout
+        if spill_dir is not None:
+            spill_dir.mkdir(parents=True, exist_ok=True)
         self.bytes_written, self.seconds, self.chunk_seconds = 0, 0.0, 0.0
         # write_empty_chunks: skip zarr's all-zero scan of every chunk (it runs on zarr's one
         # event-loop thread, ~0.7 GB/s here, and serialised all writes); a rewrite then also
@@ -139,9 +148,8 @@ class ShardWriter:
         self._lock = threading.Lock()
         self._lost = self._stopped = False
         self._started = time.perf_counter()
-        # A re-issued shard: it is no longer complete while its rows are being overwritten.
-        if self._check_current() and store.group["shard_committed"][shard.index]:
-            store.group["shard_committed"][shard.index] = 0
+        if spill_dir is None:
+            self._uncommit()
 
     def write_sample(
         self,
@@ -203,11 +211,11 @@ class ShardWriter:
         self._pool.shutdown(wait=True)
         for f in self._futures:
             f.result()  # re-raise a failed chunk write
-        if not self._check_current():
-            raise LeaseLost(f"shard {self.shard.index}: lease lost before commit")
+        self._raise_if_stopped()
+        self.fence.claim_commit(self._fence_timeout)  # first claim wins; others stop writing
+        if self._spill is not None:
+            self._flush_spill()
         sh, g = self.shard, self.store.group
-        g["sample_status"][sh.sample_begin : sh.sample_end] = self._status
-        self.seconds += time.perf_counter() - t0
         stored = {
             **summary,
             "shard": sh.index,
@@ -219,17 +227,20 @@ class ShardWriter:
             "chunk_write_seconds": round(self.chunk_seconds, 4),
             "wall_seconds": round(time.perf_counter() - self._started, 4),
         }
-        g["shard_summary"][sh.index] = json.dumps(stored)
-        if not self._check_current():
-            raise LeaseLost(f"shard {sh.index}: lease lost before the commit marker")
-        g["shard_committed"][sh.index] = 1  # the commit marker, last
+        with self.fence.writing():
+            g["sample_status"][sh.sample_begin : sh.sample_end] = self._status
+            g["shard_summary"][sh.index] = json.dumps(stored)
+            g["shard_committed"][sh.index] = 1  # the commit marker, last
         self._stopped = True
+        self._drop_spill()
+        self.seconds += time.perf_counter() - t0
         return stored
 
     def abort(self) -> None:
         """Stop: queued chunk writes are dropped, running ones finish, nothing more is written."""
         self._stopped = True
         self._pool.shutdown(wait=True, cancel_futures=True)
+        self._drop_spill()
 
     # -- internals ---------------------------------------------------------------------------
 
@@ -245,10 +256,23 @@ class ShardWriter:
             if f.done() and f.exception() is not None:
                 raise f.exception()  # type: ignore[misc]
 
-    def _check_current(self) -> bool:
-        if not self._lost and not self.is_current():
-            self._lost = True
-        return not self._lost
+    def _uncommit(self) -> None:
+        """A re-issued shard is no longer complete while its rows are being overwritten."""
+        if self.store.group["shard_committed"][self.shard.index]:
+            with self.fence.writing():
+                self.store.group["shard_committed"][self.shard.index] = 0
+
+    def _flush_spill(self) -> None:
+        """A deferred lease, its claim won: the spilled chunks go to the store now."""
+        self._uncommit()
+        for k in sorted(self._spilled):
+            aux, final = (np.load(self._spill / f"{k}.{n}.npy", mmap_mode="r") for n in "af")
+            with self.fence.writing():
+                self._store_chunk(k, aux, final)
+
+    def _drop_spill(self) -> None:
+        if self._spill is not None:
+            shutil.rmtree(self._spill, ignore_errors=True)
 
     def _claim(self, i: int) -> slice:
         self._raise_if_stopped()
@@ -292,16 +316,28 @@ class ShardWriter:
 
     def _write_chunk(self, k: int, aux: np.ndarray, final: np.ndarray, recycle: bool) -> None:
         try:
-            if self._stopped or not self._check_current():
+            if self._stopped or self._lost or not self.fence.current():
+                self._lost = self._lost or not self.fence.current()
                 return
-            t0 = time.perf_counter()
-            rows = slice(k * self._c, (k + 1) * self._c)
-            self._aux[rows] = aux
-            self._final[rows] = final
-            with self._lock:
-                self.bytes_written += self._payload[k] * self._row_bytes
-                self.chunk_seconds += time.perf_counter() - t0
+            if self._spill is not None:
+                np.save(self._spill / f"{k}.a.npy", aux)
+                np.save(self._spill / f"{k}.f.npy", final)
+                self._spilled.add(k)
+            else:
+                with self.fence.writing():
+                    self._store_chunk(k, aux, final)
             if recycle:
                 _BUFFERS.put((aux, final))
+        except LeaseLost:
+            self._lost = True
         finally:
             self._slots.release()
+
+    def _store_chunk(self, k: int, aux: np.ndarray, final: np.ndarray) -> None:
+        t0 = time.perf_counter()
+        rows = slice(k * self._c, (k + 1) * self._c)
+        self._aux[rows] = aux
+        self._final[rows] = final
+        with self._lock:
+            self.bytes_written += self._payload[k] * self._row_bytes
+            self.chunk_seconds += time.perf_counter() - t0

@@ -16,8 +16,11 @@ One Zarr v3 group, flat and token-major; sample i owns rows `sample_rows(i)` of 
 | `shard_summary` | [S] string (JSON per shard; "" until committed) | 1 | workers |
 
 Group attributes: `manifest` (`Manifest.to_json()`), `rejected` (plan-time rejects,
-`[{"sample_id", "reason"}]`). bf16 has no Zarr 3.1 dtype, so hidden states keep their raw bits
-in uint16 with the attribute `BF16_ATTR`; view them back with `ml_dtypes.bfloat16` or torch.
+`[{"sample_id", "reason"}]`), `job` (what the plan was made from: data sources and their
+sha256, plan options; resume compares it) and, written by the driver once a run ends,
+`report` (the final report of the latest run). bf16 has no Zarr 3.1 dtype, so hidden states
+keep their raw bits in uint16 with the attribute `BF16_ATTR`; view them back with
+`ml_dtypes.bfloat16` or torch.
 
 Concurrency: the driver creates every array and attribute before any worker starts; a worker then
 writes only its shard's chunks (whole chunks, token ranges are chunk-aligned), its one
@@ -212,9 +215,11 @@ def create_store(
     input_ids: Sequence[np.ndarray],
     loss_masks: Sequence[np.ndarray],
     rejected: Sequence[Mapping[str, str]] = (),
+    job: Mapping[str, Any] | None = None,
 ) -> Store:
     """The driver's one-time creation of every array and attribute, and the plan's own rows.
-    Fails if something already exists there (resume opens the store instead)."""
+    `job`: what the plan was made from, kept for resume checks. Fails if something already
+    exists there (resume opens the store instead)."""
     if not len(sample_ids) == len(input_ids) == len(loss_masks):
         raise ValueError("sample_ids, input_ids and loss_masks differ in length")
     lengths = np.array([len(x) for x in input_ids], dtype=np.int64)
@@ -223,7 +228,11 @@ def create_store(
             raise ValueError(f"sample {sample_ids[i]!r}: bad length or loss mask length")
     starts, shards, total = layout(lengths, manifest.samples_per_shard, manifest.chunk_tokens)
     m, c = manifest, manifest.chunk_tokens
-    attrs = {"manifest": m.to_json(), "rejected": [dict(r) for r in rejected]}
+    attrs = {
+        "manifest": m.to_json(),
+        "rejected": [dict(r) for r in rejected],
+        "job": dict(job or {}),
+    }
     group = zarr.create_group(store=path_or_url, zarr_format=3, attributes=attrs)
     comp = _compressors(m.codec)
     hidden = "uint16" if m.dtype == "bfloat16" else "float32"
@@ -294,6 +303,10 @@ class Store:
     @property
     def num_samples(self) -> int:
         return len(self.sample_length)
+
+    @property
+    def job(self) -> dict[str, Any]:
+        return dict(self.group.attrs.get("job") or {})  # type: ignore[arg-type]
 
     @property
     def rejected(self) -> list[dict[str, str]]:

@@ -82,9 +82,10 @@ def assert_matches(
     max_error: float,
     what: str,
 ) -> None:
-    """Every comparable row close to the reference; routing ties are few and named."""
+    """Every comparable row close to the reference; routing ties are few (a flipped expert
+    changes its own row a lot, later rows through attention only slightly) and named."""
     keep = reference.comparable_rows()
-    assert len(reference.routing_ties) <= max(1, len(keep) // 50), (
+    assert len(reference.routing_ties) <= max(2, len(keep) // 20), (
         f"{what}: {len(reference.routing_ties)} routing ties in {len(keep)} rows: "
         "the tiny model routes too close to call"
     )

@@ -27,7 +27,7 @@ def test_an_expired_lease_goes_back_and_its_holder_can_no_longer_complete() -> N
     assert not queue.complete(lease.lease_id, {})
     again = queue.acquire("w2")
     assert again is not None and again.shard == 0  # a re-queued shard is handed out first
-    assert queue.complete(again.lease_id, {"by": "w2"})
+    assert queue.claim(again.lease_id) and queue.complete(again.lease_id, {"by": "w2"})
     assert queue.status().summaries == {0: {"by": "w2"}}
 
 
@@ -36,11 +36,12 @@ def test_a_shard_completes_once_and_only_by_its_holder() -> None:
     lease = queue.acquire("w1")
     assert lease is not None
     assert not queue.complete("not-a-lease", {})
-    assert queue.complete(lease.lease_id, {})
+    assert not queue.complete(lease.lease_id, {}), "completing needs the claim"
+    assert queue.claim(lease.lease_id) and queue.complete(lease.lease_id, {})
     assert not queue.complete(lease.lease_id, {})
     queue.revoke(0)  # a completed shard is never queued again
     assert queue.acquire("w2") is None
-    assert queue.status().done
+    assert queue.status().finished
 
 
 def test_a_dead_workers_shards_go_back_and_revoke_requeues() -> None:
@@ -53,3 +54,70 @@ def test_a_dead_workers_shards_go_back_and_revoke_requeues() -> None:
     assert not queue.heartbeat(b.lease_id)
     status = queue.status()
     assert (status.pending, status.leased, status.completed) == (3, 0, 0)
+
+
+def finish(queue: ShardQueue, worker: str) -> int:
+    lease = queue.acquire(worker)
+    assert lease is not None and queue.claim(lease.lease_id)
+    assert queue.complete(lease.lease_id, {"by": worker})
+    return lease.shard
+
+
+def test_the_tail_reissues_a_straggler_deferred_and_the_first_claim_wins() -> None:
+    clock = Clock()
+    queue = ShardQueue([0, 1, 2], lease_seconds=1000, straggler_factor=2, straggler_min_seconds=5,
+                       clock=clock)  # fmt: skip
+    slow = queue.acquire("slow")
+    assert slow is not None and not slow.deferred
+    clock.now = 1
+    finish(queue, "fast")  # 0 s each: the median shard time is 0
+    finish(queue, "fast")
+    clock.now = 4
+    assert queue.acquire("fast") is None, "not a straggler before straggler_min_seconds"
+    clock.now = 7
+    assert queue.acquire("slow") is None, "never a duplicate of one's own shard"
+    dup = queue.acquire("fast")
+    assert dup is not None and dup.shard == slow.shard and dup.deferred
+    assert queue.acquire("third") is None, "one duplicate per shard"
+    # The original is mid-write when the duplicate claims: the claim wins, the original is
+    # fenced off, and the claimant waits for the write in progress before writing its own.
+    assert queue.begin_write(slow.lease_id)
+    assert queue.claim(dup.lease_id)
+    assert not queue.claim(slow.lease_id) and not queue.begin_write(slow.lease_id)
+    assert not queue.fenced(dup.lease_id)
+    queue.end_write(slow.lease_id)
+    assert queue.fenced(dup.lease_id)
+    assert not queue.complete(slow.lease_id, {})
+    assert queue.complete(dup.lease_id, {"by": "fast"})
+    status = queue.status()
+    assert status.finished and status.summaries[slow.shard] == {"by": "fast"}
+
+
+def test_a_shard_whose_former_holder_is_mid_write_is_handed_out_deferred() -> None:
+    clock = Clock()
+    queue = ShardQueue([0], lease_seconds=10, clock=clock)
+    hung = queue.acquire("hung")
+    assert hung is not None and queue.begin_write(hung.lease_id)
+    clock.now = 11  # expired with a write in progress
+    again = queue.acquire("next")
+    assert again is not None and again.deferred and again.shard == 0
+    assert queue.claim(again.lease_id) and not queue.fenced(again.lease_id)
+    queue.end_write(hung.lease_id)
+    assert queue.fenced(again.lease_id)
+    queue.release(again.lease_id)
+    clock.now = 12
+    assert not queue.acquire("later").deferred, "nobody is mid-write any more"
+
+
+def test_a_shard_failing_shard_attempts_times_is_given_up_with_its_reasons() -> None:
+    queue = ShardQueue([0, 1], shard_attempts=2)
+    first = queue.acquire("w1")
+    queue.release(first.lease_id, "server crashed")
+    second = queue.acquire("w2")
+    assert second.shard == first.shard
+    queue.release_worker("w2", "node lost")
+    finish(queue, "w3")
+    status = queue.status()
+    assert status.finished and (status.completed, status.failed) == (1, 1)
+    assert status.failures == {first.shard: ["w1: server crashed", "w2: node lost"]}
+    assert queue.acquire("w4") is None

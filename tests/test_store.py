@@ -11,7 +11,9 @@ import pytest
 import torch
 import zarr
 
-from actors.shard_writer import LeaseLost, ShardWriter
+from actors.lease_keeper import LeaseKeeper, LeaseLost
+from actors.shard_writer import ShardWriter
+from cluster.shard_queue import ShardQueue
 from cluster.store import (
     BF16_ATTR,
     SCHEMA_VERSION,
@@ -192,14 +194,22 @@ def test_mark_failed_leaves_zero_rows_and_a_reason(tmp_path: Path) -> None:
     assert store.committed().tolist() == [False, True, False]
 
 
+def keeper(queue: ShardQueue, worker: str) -> LeaseKeeper:
+    """A lease on the in-process queue, fenced exactly as a worker's is through the actor."""
+    lease = queue.acquire(worker)
+    assert lease is not None
+    return LeaseKeeper(lambda method, *a: getattr(queue, method)(*a), lease, interval=3600)
+
+
 def test_lost_lease_stops_writes_and_commit(tmp_path: Path) -> None:
     store = new_store(tmp_path / "s.zarr")
-    sh = store.shards[1]  # samples 4..7, lengths 3 20 2 7: rows 40..72, chunks 5..8
-    current = True
-    writer = ShardWriter(store, sh, threads=1, is_current=lambda: current)
+    queue = ShardQueue([1])
+    fence = keeper(queue, "w1")
+    sh = store.shards[1]  # samples 4..7, lengths 3 20 2 7: rows 32..64, chunks 4..7
+    writer = ShardWriter(store, sh, threads=1, fence=fence)
     for i in (4, 5):
         writer.write_sample(i, *(as_input(x, i) for x in sample_bits(i)))
-    current = False
+    queue.revoke(1)
     with pytest.raises(LeaseLost):  # raised at once or at the latest by commit
         for i in (6, 7):
             writer.write_sample(i, *(as_input(x, i) for x in sample_bits(i)))
@@ -212,6 +222,68 @@ def test_lost_lease_stops_writes_and_commit(tmp_path: Path) -> None:
         assert not g["final_hidden_states"][store.sample_rows(i)].any()
     assert not store.committed().any() and store.summary(1) is None
     assert not g["sample_status"][:].any()
+
+
+def other_bits(i: int) -> tuple[np.ndarray, np.ndarray]:
+    """What another server might capture for sample i: different bits, same shapes."""
+    return tuple(~x for x in sample_bits(i))
+
+
+def test_a_deferred_duplicate_that_claims_first_is_the_only_one_visible(tmp_path: Path) -> None:
+    store = new_store(tmp_path / "s.zarr")
+    queue = ShardQueue([1], straggler_min_seconds=0)
+    sh = store.shards[1]
+    slow_fence = keeper(queue, "slow")
+    slow = ShardWriter(store, sh, threads=1, fence=slow_fence)
+    written = threading.Event()  # sample 5 alone fills chunk 6: it is written from its memory
+    slow.write_sample(5, *(as_input(x, 5) for x in sample_bits(5)), on_release=written.set)
+    assert written.wait(10)
+    # Let the queue know a shard time, so the slow one counts as a straggler.
+    queue._durations.append(0.0)
+    dup_fence = keeper(queue, "fast")
+    assert dup_fence.lease.deferred and dup_fence.lease.shard == 1
+    dup = ShardWriter(store, sh, threads=1, fence=dup_fence, spill_dir=tmp_path / "spill")
+    for i in range(sh.sample_begin, sh.sample_end):
+        dup.write_sample(i, *(as_input(x, i) for x in other_bits(i)))
+    # Sample 5 (rows 35..55) alone fills chunk 5 (rows 40..48): the original wrote it in place;
+    # nothing of the duplicate has reached the store yet.
+    in_place = store.group["final_hidden_states"][40:48]
+    assert np.array_equal(in_place, sample_bits(5)[1][5:13])
+    summary = dup.commit({"worker": "fast"})
+    assert queue.complete(dup_fence.lease.lease_id, summary)
+    assert not (tmp_path / "spill").exists()
+    with pytest.raises(LeaseLost):  # the slow original wakes up: fenced off
+        for i in (4, 6, 7):
+            slow.write_sample(i, *(as_input(x, i) for x in sample_bits(i)))
+        slow.commit({"worker": "slow"})
+    g = store.group
+    for i in range(sh.sample_begin, sh.sample_end):
+        aux, final = other_bits(i)
+        np.testing.assert_array_equal(g["aux_hidden_states"][store.sample_rows(i)], aux)
+        np.testing.assert_array_equal(g["final_hidden_states"][store.sample_rows(i)], final)
+    assert store.committed().tolist() == [False, True, False]
+    assert store.summary(1)["worker"] == "fast"
+
+
+def test_a_deferred_duplicate_that_loses_leaves_no_trace(tmp_path: Path) -> None:
+    store = new_store(tmp_path / "s.zarr")
+    queue = ShardQueue([1], straggler_min_seconds=0)
+    sh = store.shards[1]
+    orig_fence = keeper(queue, "orig")
+    queue._durations.append(0.0)
+    dup_fence = keeper(queue, "dup")
+    dup = ShardWriter(store, sh, threads=1, fence=dup_fence, spill_dir=tmp_path / "spill")
+    for i in range(sh.sample_begin, sh.sample_end):
+        dup.write_sample(i, *(as_input(x, i) for x in other_bits(i)))
+    orig = ShardWriter(store, sh, threads=1, fence=orig_fence)
+    for i in range(sh.sample_begin, sh.sample_end):
+        orig.write_sample(i, *(as_input(x, i) for x in sample_bits(i)))
+    assert queue.complete(orig_fence.lease.lease_id, orig.commit({"worker": "orig"}))
+    with pytest.raises(LeaseLost, match="claimed it first"):
+        dup.commit({"worker": "dup"})
+    dup.abort()
+    check_rows(store, list(range(sh.sample_begin, sh.sample_end)))
+    assert store.summary(1)["worker"] == "orig" and not (tmp_path / "spill").exists()
 
 
 def test_two_writers_on_adjacent_shards_do_not_interfere(tmp_path: Path) -> None:

@@ -1,64 +1,52 @@
-"""`make demo`: the patched SGLang server on a tiny DeepseekV3, on CPU, capturing a few prompts.
+"""`make demo`: the whole job, as a user runs it, on this machine.
 
-Makes the tiny models (once, into .cache/models), starts the server with the capture plugin
-on, sends a few prompts concurrently as text (so SGLang batches them), and prints where
-each dump is and what it holds. The full Ray job replaces this once the driver exists.
+Makes the tiny DeepseekV3 (once, into .cache/models), starts a local Ray head advertising one
+GPU-node resource (`sglang_node`; the "node" serves on CPU here), `ray job submit`s the demo
+job (ray_configs/demo_job.yaml: the prompts kept in ray_configs/demo_prompts.jsonl, a local Zarr
+directory), streams its log (plan, storage estimate, progress, final report) and stops the head
+it started. Exit status: the job's.
 """
 
 from __future__ import annotations
 
 import argparse
 import shutil
-import time
-from concurrent.futures import ThreadPoolExecutor
+import subprocess
+import sys
 from pathlib import Path
 
-from actors.capture_client import generate_and_capture, wait_for_dump
-from actors.sglang_server import ServerSpec, SGLangServer
-from patches.dump_files import read_dump
-from patches.settings import CaptureSettings
+from tools.ray_head import BIN, local_head
 from tools.tiny_models import ensure_models
 
-PROMPTS = [
-    "What is the capital city of France?",
-    "Explain speculative decoding with a draft model in two sentences.",
-    "Write a short poem about a river at night.",
-    "Why does a target model keep hidden states for every prompt token?",
-]
+REPO = Path(__file__).resolve().parent.parent
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--models", type=Path, default=Path(".cache/models"))
-    parser.add_argument("--out", type=Path, default=Path("out/demo"))
-    args = parser.parse_args()
+    parser.add_argument("--models", type=Path, default=REPO / ".cache/models")
+    parser.add_argument("--out", type=Path, default=REPO / "out/demo")
+    parser.add_argument("--config", type=Path, default=Path("ray_configs/demo_job.yaml"))
+    args = parser.parse_args(argv)
 
     model = ensure_models(args.models, ["deepseek-v3-tiny"])["deepseek-v3-tiny"]
-    shutil.rmtree(args.out, ignore_errors=True)
-    spec = ServerSpec(
-        model_path=model,
-        capture=CaptureSettings.from_env({"HIDDEN_CAPTURE_DIR": str(args.out / "dumps")}),
-        aux_layer_ids=[0, 1, 3],
-    )
-    log = args.out / "server.log"
-    print(f"starting SGLang on {model} (log: {log}) ...", flush=True)
-    started = time.monotonic()
-    with SGLangServer(spec, log) as server:
-        print(f"server up at {server.url} in {time.monotonic() - started:.0f}s", flush=True)
-        with ThreadPoolExecutor(len(PROMPTS)) as pool:
-            responses = list(
-                pool.map(
-                    lambda i: generate_and_capture(server.url, f"hsx-demo-{i}", text=PROMPTS[i]),
-                    range(len(PROMPTS)),
-                )
-            )
-        for prompt, response in zip(PROMPTS, responses, strict=True):
-            tensors, meta = read_dump(wait_for_dump(response.dump_path))
-            shapes = ", ".join(f"{k} {tuple(v.shape)} {v.dtype}" for k, v in tensors.items())
-            print(f"\n{response.rid}: {prompt!r}\n  dump {response.dump_path}\n  {shapes}")
-        print(f"\nlayers {meta['layer_ids']}: {meta['layer_convention']}")
-    print(f"\n{len(responses)} dumps under {spec.capture.dump_dir}")
+    out = args.out.resolve()
+    store = out / "demo.zarr"
+    shutil.rmtree(store, ignore_errors=True)  # the demo starts over; a real job would resume
+    print(f"starting a local Ray head (log: {out / 'ray-head.log'}) ...", flush=True)
+    with local_head({"sglang_node": 1}, num_cpus=2, log_path=out / "ray-head.log") as address:
+        print(f"Ray head up, job API at {address}", flush=True)
+        cmd = [
+            str(BIN / "ray"), "job", "submit", "--address", address,
+            "--runtime-env", "ray_configs/runtime_env.yaml",
+            "--", "python", "-m", "cluster", "run", "--config", str(args.config),
+            "--set", f"model.path={model.resolve()}",
+            "--set", f"store.url={store}",
+        ]  # fmt: skip
+        print("$ " + " ".join(cmd), flush=True)
+        status = subprocess.run(cmd, cwd=REPO, check=False).returncode
+    print(f"\nstore: {store} (ray job submit exited {status}; the head is stopped)", flush=True)
+    return status
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -1,0 +1,148 @@
+"""The job's store: planned and created on the first run, re-opened and checked on a resume.
+
+A resume re-uses the stored plan as it is (sample order, layout, rejects) and never re-reads
+the data; it only proves that the job submitted now is the job that made the store: same
+model files, capture, chunking and plan inputs. Anything that differs is named and refused,
+because mixing two jobs' rows in one store would be silent corruption.
+"""
+
+from __future__ import annotations
+
+import logging
+import shutil
+from pathlib import Path
+from typing import Any
+
+import zarr.errors
+
+from cluster.config import JobConfig
+from cluster.layers import expected_capture
+from cluster.plan import Plan, build_plan, chat_template_text, source_fingerprints
+from cluster.store import Manifest, Store, create_store, make_manifest
+
+log = logging.getLogger("cluster.job_store")
+
+# Manifest fields a resume may differ in: where the model lives is not what it is (its hashes).
+RELOCATABLE = {"model"}
+
+
+class ResumeConflict(ValueError):
+    """The store exists but was made by a different job; the message names every difference."""
+
+
+def job_spec(config: JobConfig, sources: list[dict[str, Any]]) -> dict[str, Any]:
+    """What the plan is made from, besides the manifest: stored as the store's `job` attr."""
+    data = config.data.model_dump(exclude={"paths", "max_length"})
+    return {"sources_sha256": [s["sha256"] for s in sources], **data}
+
+
+def manifest_for(config: JobConfig, chat_template: str | None) -> Manifest:
+    capture = expected_capture(
+        Path(config.model.path), config.model.aux_layer_ids, config.model.dtype
+    )
+    codec = {"name": "none"}
+    if config.store.codec == "zstd":
+        codec = {"name": "zstd", "level": config.store.codec_level}
+    return make_manifest(
+        config.model.path,
+        config.model.path,
+        capture,
+        max_length=config.data.max_length,
+        samples_per_shard=config.store.samples_per_shard,
+        chat_template=chat_template,
+        codec=codec,
+        chunk_tokens=config.store.chunk_tokens,
+    )
+
+
+def storage_estimate(manifest: Manifest, tokens: int) -> dict[str, int]:
+    """Bytes the store will hold, uncompressed (the plan's rows plus the hidden states)."""
+    itemsize = 2 if manifest.dtype == "bfloat16" else 4
+    return {
+        "aux_hidden_states": tokens * manifest.num_aux * manifest.hidden_size * itemsize,
+        "final_hidden_states": tokens * manifest.hidden_size * itemsize,
+        "input_ids_and_loss_mask": tokens * 5,
+    }
+
+
+def describe_plan(plan: Plan, manifest: Manifest, store_url: str) -> str:
+    estimate = storage_estimate(manifest, plan.total_tokens)
+    total = sum(estimate.values())
+    shards = -(-len(plan.sample_ids) // manifest.samples_per_shard)
+    lines = [
+        f"plan: {len(plan.sample_ids)} samples ({len(plan.rejected)} rejected), "
+        f"{plan.total_tokens:,} tokens, {shards} shards of {manifest.samples_per_shard} samples",
+        f"capture: layers {manifest.layer_ids} + final, hidden {manifest.hidden_size}, "
+        f"{manifest.dtype}, chunks of {manifest.chunk_tokens} tokens, codec {manifest.codec}",
+        f"storage estimate: {total / 1e9:.3f} GB before compression "
+        f"(aux {estimate['aux_hidden_states'] / 1e9:.3f} GB, "
+        f"final {estimate['final_hidden_states'] / 1e9:.3f} GB) at {store_url}",
+    ]
+    local = Path(store_url) if "://" not in store_url else None
+    if local is not None:
+        parent = next(p for p in [local, *local.parents] if p.exists())
+        free = shutil.disk_usage(parent).free
+        if free < total:
+            lines.append(f"WARNING: only {free / 1e9:.1f} GB free at {parent}")
+    for r in plan.rejected[:10]:
+        lines.append(f"  rejected {r['sample_id']}: {r['reason']}")
+    if len(plan.rejected) > 10:
+        lines.append(
+            f"  ... and {len(plan.rejected) - 10} more (all kept in the store's `rejected`)"
+        )
+    return "\n".join(lines)
+
+
+def open_or_create(config: JobConfig, say: Any = print) -> tuple[Store, bool]:
+    """The job's store and whether it was resumed. Planning (and the storage estimate) happens
+    here, before any server starts."""
+    url = config.store.url
+    try:
+        store = Store.open(url, mode="r+")
+    except (FileNotFoundError, zarr.errors.GroupNotFoundError, zarr.errors.NodeTypeValidationError):
+        store = None
+    if store is not None:
+        check_resume(store, config)
+        done = int(store.committed().sum())
+        say(
+            f"resume: {url} holds {store.num_samples} planned samples, "
+            f"{done}/{len(store.shards)} shards committed; re-using its plan"
+        )
+        return store, True
+    plan = build_plan(config.data, config.model.path, config.model.trust_remote_code)
+    if not plan.sample_ids:
+        raise ValueError(f"no usable samples: all {len(plan.rejected)} rows were rejected")
+    manifest = manifest_for(config, plan.chat_template)
+    say(describe_plan(plan, manifest, url))
+    store = create_store(
+        url,
+        manifest,
+        plan.sample_ids,
+        plan.input_ids,
+        plan.loss_masks,
+        rejected=plan.rejected,
+        job=job_spec(config, plan.sources),
+    )
+    return store, False
+
+
+def check_resume(store: Store, config: JobConfig) -> None:
+    template = chat_template_text(config.data, config.model.path, config.model.trust_remote_code)
+    wanted = manifest_for(config, template)
+    stored = store.manifest
+    problems = [
+        f"{key}: store {getattr(stored, key)!r} != config {getattr(wanted, key)!r}"
+        for key in wanted.to_json()
+        if key not in RELOCATABLE and getattr(stored, key) != getattr(wanted, key)
+    ]
+    spec = job_spec(config, source_fingerprints(config.data))
+    problems += [
+        f"data.{key}: store {store.job.get(key)!r} != config {value!r}"
+        for key, value in spec.items()
+        if store.job.get(key) != value
+    ]
+    if problems:
+        raise ResumeConflict(
+            f"{config.store.url} was made by a different job; refusing to resume it "
+            "(use a new store.url, or submit the original config):\n  " + "\n  ".join(problems)
+        )

@@ -1,0 +1,230 @@
+"""The whole job on two simulated GPU nodes (ray.cluster_utils.Cluster), each with a real CPU
+SGLang server on the tiny DeepseekV3: exactly-once output that matches its plan and an
+independent HF reference, bad rows rejected, a killed worker, a killed driver and a resume."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import ray
+import yaml
+from ray.cluster_utils import Cluster
+from transformers import AutoTokenizer
+
+from cluster.__main__ import main as cli_main
+from cluster.config import JobConfig, parse_config
+from cluster.driver import Driver, run_job
+from cluster.store import Store
+from tests.test_node_worker import assert_store_matches_reference
+
+pytestmark = pytest.mark.slow
+
+WORDS = "a draft model learns what the target model would say next at every token".split()
+
+
+@pytest.fixture(scope="module")
+def two_nodes() -> Iterator[Cluster]:
+    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1})
+    for _ in range(2):
+        cluster.add_node(num_cpus=1, resources={"sglang_node": 1})
+    ray.init(address=cluster.address, log_to_driver=False)
+    try:
+        yield cluster
+    finally:
+        ray.shutdown()
+        cluster.shutdown()
+
+
+def good_rows(count: int) -> list[dict[str, Any]]:
+    """Chat rows (some with two assistant turns) and plain text rows of varied lengths."""
+    rows = []
+    for i in range(count):
+        text = " ".join(WORDS[(i * 5 + k) % len(WORDS)] for k in range(3 + (i * 7) % 30))
+        if i % 3 == 2:
+            rows.append({"id": f"text-{i}", "text": f"{text} #{i}."})
+            continue
+        messages = [
+            {"role": "user", "content": f"{text} #{i}?"},
+            {"role": "assistant", "content": " ".join(WORDS[: 2 + i % 8])},
+        ]
+        if i % 3 == 1:
+            messages += [
+                {"role": "user", "content": "and then?"},
+                {"role": "assistant", "content": "it keeps going."},
+            ]
+        rows.append({"id": f"chat-{i}", "messages": messages})
+    return rows
+
+
+BAD_LINES = {
+    "bad-empty": json.dumps({"id": "bad-empty", "text": ""}),
+    "bad-long": json.dumps({"id": "bad-long", "text": "word " * 400}),
+    "bad-type": json.dumps({"id": "bad-type", "text": 5}),
+    "bad-content": json.dumps({"id": "bad-content", "messages": [{"role": "user", "content": 3}]}),
+}
+
+
+def write_prompts(path: Path, count: int, bad: bool = False) -> list[dict[str, Any]]:
+    rows = good_rows(count)
+    lines = [json.dumps(r) for r in rows]
+    if bad:  # spread among the good rows, plus a line that is not JSON at all
+        for j, line in enumerate(BAD_LINES.values()):
+            lines.insert(2 + 3 * j, line)
+        lines.insert(5, '{"id": "truncated", "text": "no end')
+    path.write_text("\n".join(lines) + "\n")
+    return rows
+
+
+def job_config(model: Path, data: Path, store: Path, tmp_path: Path) -> dict[str, Any]:
+    return {
+        "model": {"path": str(model), "dtype": "float32", "aux_layer_ids": [0, 1, 3]},
+        "data": {"paths": [str(data)], "max_length": 256},
+        "store": {"url": str(store), "samples_per_shard": 3, "chunk_tokens": 64},
+        "server": {"max_total_tokens": 8192, "start_timeout_s": 300, "restart_backoff_s": 0.5},
+        "worker": {"inflight": 4, "heartbeat_s": 0.5, "dump_root": str(tmp_path)},
+        "queue": {"lease_s": 30, "straggler_min_s": 600},
+        "driver": {"progress_interval_s": 1},
+    }
+
+
+def expected_ids(model: Path, row: dict[str, Any]) -> list[int]:
+    """The row's tokens, computed here independently of the plan."""
+    tokenizer = AutoTokenizer.from_pretrained(model)
+    if "text" in row:
+        return tokenizer(row["text"])["input_ids"]
+    return list(
+        tokenizer.apply_chat_template(row["messages"], tokenize=True, return_dict=True)["input_ids"]
+    )
+
+
+def assert_exactly_once(store: Store, rows: list[dict[str, Any]], model: Path) -> None:
+    """Every row is one sample, in input order, with its own tokens, written and committed."""
+    g = store.group
+    assert [str(x) for x in g["sample_id"][:]] == [r["id"] for r in rows]
+    assert store.committed().all()
+    assert (np.asarray(g["sample_status"][:]) == 1).all()
+    for i, row in enumerate(rows):
+        assert g["input_ids"][store.sample_rows(i)].tolist() == expected_ids(model, row), row["id"]
+    summaries = [store.summary(k) for k in range(len(store.shards))]
+    assert sum(s["written"] for s in summaries) == len(rows)
+    assert all(not s["failed"] for s in summaries)
+
+
+def test_two_nodes_write_every_sample_once_matching_plan_and_reference_and_reject_bad_rows(
+    two_nodes: Cluster, deepseek_path: Path, tmp_path: Path
+) -> None:
+    rows = write_prompts(tmp_path / "prompts.jsonl", 12, bad=True)
+    raw = job_config(deepseek_path, tmp_path / "prompts.jsonl", tmp_path / "s.zarr", tmp_path)
+    log: list[str] = []
+
+    assert run_job(parse_config(raw), say=log.append) == 0
+
+    store = Store.open(tmp_path / "s.zarr")
+    assert_exactly_once(store, rows, deepseek_path)
+    reasons = {r["sample_id"]: r["reason"] for r in store.rejected}
+    assert set(reasons) == {*BAD_LINES, "prompts.jsonl:6"}, reasons
+    assert "256" in reasons["bad-long"] and "malformed JSON" in reasons["prompts.jsonl:6"]
+    assert "int" in reasons["bad-type"] and "content" in reasons["bad-content"]
+    # Loss masks: assistant tokens of chat rows only, every token of text rows.
+    mask = np.asarray(store.group["loss_mask"][:])
+    for i, row in enumerate(rows):
+        m = mask[store.sample_rows(i)]
+        assert m.all() if "text" in row else (m.any() and not m.all()), row["id"]
+    assert_store_matches_reference(store, deepseek_path, [0, len(store.shards) - 1])
+    report = store.group.attrs["report"]
+    assert report["ok"] and report["samples"]["written"] == len(rows)
+    assert report["samples"]["rejected_at_plan"] == 5
+    text = "\n".join(log)
+    assert "storage estimate" in text and "hidden-state extraction report" in text
+    assert "ETA" in text
+
+
+def test_a_killed_worker_is_replaced_and_the_job_completes_exactly_once(
+    two_nodes: Cluster, deepseek_path: Path, tmp_path: Path
+) -> None:
+    rows = write_prompts(tmp_path / "prompts.jsonl", 30)
+    raw = job_config(deepseek_path, tmp_path / "prompts.jsonl", tmp_path / "s.zarr", tmp_path)
+    driver = Driver(parse_config(raw), say=lambda _: None)
+    result: list[int] = []
+    thread = threading.Thread(target=lambda: result.append(driver.run()))
+    thread.start()
+    deadline = time.monotonic() + 400
+    while not (store_committed(tmp_path / "s.zarr") >= 1 and driver.workers):
+        assert time.monotonic() < deadline and thread.is_alive(), "no shard was committed"
+        time.sleep(0.2)
+    victim = next(iter(driver.workers.values()))
+    ray.kill(victim.handle, no_restart=True)
+    thread.join(600)
+
+    assert result == [0]
+    store = Store.open(tmp_path / "s.zarr")
+    assert_exactly_once(store, rows, deepseek_path)
+    lost = store.group.attrs["report"]["run"]["workers_lost"]
+    assert [w["worker"] for w in lost] == [victim.worker_id]
+    assert_store_matches_reference(store, deepseek_path, list(range(len(store.shards))))
+
+
+def store_committed(url: Path) -> int:
+    try:
+        return int(Store.open(url).committed().sum())
+    except Exception:  # not created yet
+        return 0
+
+
+def test_a_stopped_driver_resumes_skipping_committed_shards_and_refuses_another_job(
+    two_nodes: Cluster, deepseek_path: Path, tmp_path: Path, capsys: pytest.CaptureFixture
+) -> None:
+    rows = write_prompts(tmp_path / "prompts.jsonl", 30)
+    raw = job_config(deepseek_path, tmp_path / "prompts.jsonl", tmp_path / "s.zarr", tmp_path)
+    (tmp_path / "job.yaml").write_text(yaml.safe_dump(raw))
+    first = subprocess.Popen(
+        [sys.executable, "-m", "cluster", "run", "--config", str(tmp_path / "job.yaml")],
+        env={**os.environ, "RAY_ADDRESS": two_nodes.address},
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    deadline = time.monotonic() + 400
+    while store_committed(tmp_path / "s.zarr") < 2:
+        assert time.monotonic() < deadline and first.poll() is None, "no shard was committed"
+        time.sleep(0.2)
+    first.send_signal(signal.SIGKILL)
+    first.wait()
+    store = Store.open(tmp_path / "s.zarr")
+    before = {k: store.summary(k) for k in np.flatnonzero(store.committed()).tolist()}
+    assert 2 <= len(before) < len(store.shards)
+
+    assert run_job(JobConfig.model_validate(raw), say=lambda _: None) == 0
+
+    store = Store.open(tmp_path / "s.zarr")
+    assert_exactly_once(store, rows, deepseek_path)
+    assert {k: store.summary(k) for k in before} == before, "committed shards were not redone"
+    report = store.group.attrs["report"]
+    assert report["run"]["resumed"]
+    assert report["run"]["shards_committed"] == len(store.shards) - len(before)
+
+    # The same store with other layers or shard size is another job: refused, fields named.
+    status = cli_main(
+        [
+            "run",
+            "--config",
+            str(tmp_path / "job.yaml"),
+            "--set",
+            "model.aux_layer_ids=[0,2]",
+            "--set",
+            "store.samples_per_shard=5",
+        ]
+    )
+    err = capsys.readouterr().err
+    assert status == 2 and "refusing to resume" in err
+    assert "layer_ids" in err and "samples_per_shard" in err

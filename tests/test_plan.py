@@ -1,0 +1,402 @@
+"""cluster/plan.py on the tiny models' real tokenizer: formats, ids, loss masks, every reject."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import shutil
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+from cluster import plan as plan_mod
+from cluster.config import DataConfig
+from cluster.plan import (
+    PREFIX_UNSTABLE,
+    Plan,
+    PlanError,
+    build_plan,
+    chat_template_text,
+    source_fingerprints,
+)
+
+ASSISTANT_END = "<|im_end|>"  # the tiny template's generation blocks end with it
+
+# The tiny template (tools/tiny_models.py) without its {% generation %} markers. Jinja runs with
+# trim_blocks, so the tiny template loses the newline after {% endgeneration %}: the assistant
+# branch here has none either, so both render the same text.
+NO_MARKERS_TEMPLATE = (
+    "{{ bos_token }}"
+    "{% for message in messages %}"
+    "<|im_start|>{{ message['role'] }}\n"
+    "{% if message['role'] == 'assistant' %}"
+    "{{ message['content'] }}<|im_end|>"
+    "{% else %}{{ message['content'] }}<|im_end|>\n{% endif %}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+def chat(*turns: str, first: str = "user") -> list[dict[str, str]]:
+    roles = ["user", "assistant"] if first == "user" else ["assistant", "user"]
+    return [{"role": roles[i % 2], "content": c} for i, c in enumerate(turns)]
+
+
+CHAT_ROWS: list[dict[str, Any]] = [
+    {"id": "t1", "text": "the answer is 42."},
+    {"id": "c1", "messages": chat("hello world", "the answer is 42.")},
+    {
+        "id": "c2",
+        "messages": [
+            {"role": "system", "content": "be nice"},
+            *chat("why?", "yes it's science", "and?", "the river and the ocean"),
+        ],
+    },
+    {"id": "c3", "messages": chat("hi there", "what is the capital of france?", first="assistant")},
+    {"id": 17, "text": "paris is the capital city of france. Why? Yes!"},
+]
+
+
+def write_jsonl(path: Path, rows: list[Any]) -> Path:
+    """Rows are JSON values, or bytes written as the line itself."""
+    with path.open("wb") as f:
+        for row in rows:
+            f.write(row if isinstance(row, bytes) else json.dumps(row).encode())
+            f.write(b"\n")
+    return path
+
+
+def columnar(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Every row with every column (null where absent), as Parquet / datasets store them."""
+    return [{k: row.get(k) for k in ("id", "text", "messages")} for row in rows]
+
+
+def plan_for(path: Path | list[Path], model: Path, **data: Any) -> Plan:
+    """The plan, checked against what a resume compares without planning."""
+    paths = [str(p) for p in (path if isinstance(path, list) else [path])]
+    config = DataConfig(paths=paths, **data)
+    plan = build_plan(config, model)
+    assert source_fingerprints(config) == plan.sources
+    assert chat_template_text(config, model) == plan.chat_template
+    return plan
+
+
+def as_tuple(plan: Plan) -> tuple:
+    return (
+        plan.sample_ids,
+        [x.tolist() for x in plan.input_ids],
+        [m.tolist() for m in plan.loss_masks],
+        plan.rejected,
+    )
+
+
+def mask_runs(ids: np.ndarray, mask: np.ndarray, tok: Any) -> list[str]:
+    """The decoded text of each run of 1s in the mask."""
+    runs, start = [], None
+    for i, m in enumerate([*mask.tolist(), 0]):
+        if m and start is None:
+            start = i
+        elif not m and start is not None:
+            runs.append(tok.decode(ids[start:i].tolist()))
+            start = None
+    return runs
+
+
+@pytest.fixture(scope="module")
+def tok(llama_path: Path) -> Any:
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(llama_path)
+
+
+@pytest.fixture(scope="module")
+def model_copy(llama_path: Path, tmp_path_factory: pytest.TempPathFactory):
+    """A copy of the tiny model's tokenizer and config (no weights) to edit."""
+
+    def make(name: str) -> Path:
+        dst = tmp_path_factory.mktemp("models") / name
+        shutil.copytree(llama_path, dst, ignore=shutil.ignore_patterns("*.safetensors"))
+        return dst
+
+    return make
+
+
+def test_jsonl_text_and_chat_rows(
+    tmp_path: Path, llama_path: Path, tok: Any, caplog: pytest.LogCaptureFixture
+) -> None:
+    no_id = {"messages": chat("no id here", "fine")}
+    path = write_jsonl(tmp_path / "data.jsonl", [CHAT_ROWS[0], b"", b"  ", no_id, *CHAT_ROWS[1:]])
+    with caplog.at_level(logging.INFO, logger="cluster.plan"):
+        plan = plan_for(path, llama_path)
+
+    assert plan.sample_ids == ["t1", "data.jsonl:4", "c1", "c2", "c3", "17"]  # 1-based line numbers
+    assert plan.rejected == []
+    rows = [CHAT_ROWS[0], no_id, *CHAT_ROWS[1:]]
+    for row, ids, mask in zip(rows, plan.input_ids, plan.loss_masks, strict=True):
+        assert ids.dtype == np.int32 and mask.dtype == np.uint8 and len(ids) == len(mask)
+        if "text" in row:
+            assert ids.tolist() == tok(row["text"], add_special_tokens=True)["input_ids"]
+            assert mask.all()
+            continue
+        ref = tok.apply_chat_template(
+            row["messages"], tokenize=True, return_dict=True, return_assistant_tokens_mask=True
+        )
+        assert ids.tolist() == ref["input_ids"] and mask.tolist() == ref["assistant_masks"]
+        assistant = [m["content"] for m in row["messages"] if m["role"] == "assistant"]
+        assert mask_runs(ids, mask, tok) == [c + ASSISTANT_END for c in assistant]
+
+    assert plan.total_tokens == sum(len(x) for x in plan.input_ids)
+    assert plan.chat_template == tok.chat_template
+    digest = hashlib.sha256(path.read_bytes()).hexdigest()
+    assert plan.sources == [
+        {"path": str(path.resolve()), "format": "jsonl", "sha256": digest, "rows": 6}
+    ]
+    assert f"6 samples accepted, 0 rejected, {plan.total_tokens} tokens" in caplog.text
+
+
+def test_loss_mask_all_and_chunking(
+    tmp_path: Path, llama_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    no_assistant = {"id": "q", "messages": chat("only a question?")}
+    path = write_jsonl(tmp_path / "d.jsonl", [*CHAT_ROWS, no_assistant])
+    plan = plan_for(path, llama_path, loss_mask="all")
+    assert plan.sample_ids == ["t1", "c1", "c2", "c3", "17", "q"] and plan.rejected == []
+    assert all(m.all() for m in plan.loss_masks)
+    assistant_only = plan_for(path, llama_path)  # the same tokens; only the masks differ
+    assert as_tuple(assistant_only)[1] == as_tuple(plan)[1][:5]
+
+    # Chunks of 2 rows give the same plan as one chunk.
+    monkeypatch.setattr(plan_mod, "BATCH_ROWS", 2)
+    assert as_tuple(plan_for(path, llama_path, loss_mask="all")) == as_tuple(plan)
+
+
+def test_parquet_and_hf_dirs_match_jsonl(tmp_path: Path, llama_path: Path) -> None:
+    import datasets
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    rows = columnar(
+        [
+            *CHAT_ROWS,
+            {"id": "both", "text": "x", "messages": chat("a", "b")},
+            {"id": "long", "text": "the model layer token " * 40},
+            {"id": "c1", "text": "a duplicate id"},
+        ]
+    )
+    rows = [{**r, "id": str(r["id"])} for r in rows]  # one column type for Parquet
+    ref = plan_for(write_jsonl(tmp_path / "d.jsonl", rows), llama_path, max_length=64)
+    assert ref.sample_ids == ["t1", "c1", "c2", "c3", "17"]
+    assert [r["sample_id"] for r in ref.rejected] == ["both", "long", "c1"]
+
+    pq.write_table(pa.Table.from_pylist(rows), tmp_path / "d.parquet", row_group_size=3)
+    datasets.Dataset.from_list(rows).save_to_disk(str(tmp_path / "ds"))
+    splits = {
+        "train": datasets.Dataset.from_list(rows[:2]),
+        "test": datasets.Dataset.from_list(rows),
+    }
+    datasets.DatasetDict(splits).save_to_disk(str(tmp_path / "dd"))
+
+    for path, fmt in [("d.parquet", "parquet"), ("ds", "hf"), ("dd", "hf")]:
+        plan = plan_for(tmp_path / path, llama_path, max_length=64, split="test")
+        # Same rows, but the first "c1" is line 2 of the JSONL and row 1 of the others.
+        dup = {"sample_id": "c1", "reason": f"duplicate sample id (first seen at {path}:1)"}
+        assert as_tuple(plan) == (*as_tuple(ref)[:3], [*ref.rejected[:2], dup]), path
+        assert plan.sources[0]["format"] == fmt and plan.sources[0]["rows"] == len(rows)
+
+    # Without ids: 0-based row indices, the directory's name for an HF dataset.
+    no_ids = [{**r, "id": None} for r in rows[:2]]
+    datasets.Dataset.from_list(no_ids).save_to_disk(str(tmp_path / "noid"))
+    pq.write_table(pa.Table.from_pylist(no_ids), tmp_path / "noid.parquet")
+    plan = plan_for([tmp_path / "noid", tmp_path / "noid.parquet"], llama_path)
+    assert plan.sample_ids == ["noid:0", "noid:1", "noid.parquet:0", "noid.parquet:1"]
+    assert [s["format"] for s in plan.sources] == ["hf", "parquet"]
+
+
+def test_every_reject_reason(tmp_path: Path, llama_path: Path, tok: Any) -> None:
+    long_text = "the model layer token " * 40
+    n_long = len(tok(long_text)["input_ids"])
+    good = [
+        {"id": "t1", "text": "the answer is 42."},
+        {"id": "c1", "messages": chat("hello", "world")},
+        {"id": "t2", "text": "why? yes."},
+    ]
+    lines_and_reasons: list[tuple[Any, str, str]] = [
+        (b"\xff\xfe{}", "r.jsonl:2", "not valid UTF-8"),
+        (
+            b"{bad",
+            "r.jsonl:3",
+            "malformed JSON: Expecting property name enclosed in double quotes: "
+            "line 1 column 2 (char 1)",
+        ),
+        ([1, 2], "r.jsonl:4", "row must be a JSON object, got list"),
+        ({"id": 1.5, "text": "x"}, "r.jsonl:5", "id must be a string or an integer, got float"),
+        ({"id": True, "text": "x"}, "r.jsonl:6", "id must be a string or an integer, got bool"),
+        ({"id": "", "text": "x"}, "r.jsonl:7", "id is an empty string"),
+        ({"id": "t1", "text": "x"}, "t1", "duplicate sample id (first seen at r.jsonl:1)"),
+        (
+            {"id": "b", "text": "x", "messages": chat("a", "b")},
+            "b",
+            "row has both text and messages",
+        ),
+        ({"id": "n", "other": 1}, "n", "row has neither text nor messages"),
+        ({"id": "ti", "text": 5}, "ti", "text must be a string, got int"),
+        ({"id": "te", "text": ""}, "te", "empty text"),
+        ({"id": "ms", "messages": "hi"}, "ms", "messages must be a list, got string"),
+        ({"id": "me", "messages": []}, "me", "empty messages"),
+        ({"id": "mi", "messages": ["hi"]}, "mi", "messages[0] must be an object, got string"),
+        (
+            {"id": "mr", "messages": [{"role": None, "content": "x"}]},
+            "mr",
+            "messages[0].role must be a string, got null",
+        ),
+        (
+            {"id": "mc", "messages": [*chat("a", "b"), {"role": "user", "content": 3}]},
+            "mc",
+            "messages[2].content must be a string, got int",
+        ),
+        (
+            {"id": "mp", "messages": [{"role": "user", "content": [{"type": "text"}]}]},
+            "mp",
+            "messages[0].content must be a string, got list",
+        ),
+        ({"id": "na", "messages": chat("question?")}, "na", "no assistant turn to train on"),
+        ({"id": "l", "text": long_text}, "l", f"{n_long} tokens > max_length 64"),
+        (
+            {"id": "t1", "text": "the answer is 42."},
+            "t1",
+            "duplicate sample id (first seen at r.jsonl:1)",
+        ),
+    ]
+    lines = [good[0], *[x[0] for x in lines_and_reasons[:10]], good[1]]
+    lines += [*[x[0] for x in lines_and_reasons[10:]], good[2]]
+    plan = plan_for(write_jsonl(tmp_path / "r.jsonl", lines), llama_path, max_length=64)
+
+    assert plan.sample_ids == ["t1", "c1", "t2"]
+    assert plan.rejected == [{"sample_id": i, "reason": r} for _, i, r in lines_and_reasons]
+    assert plan.sources[0]["rows"] == len(lines)
+    # The same rows read under loss_mask all keep "na" (no assistant turn needed).
+    plan_all = plan_for(tmp_path / "r.jsonl", llama_path, max_length=64, loss_mask="all")
+    assert plan_all.sample_ids == ["t1", "c1", "na", "t2"]
+
+
+def test_out_of_vocab_tokens(tmp_path: Path, model_copy, tok: Any) -> None:
+    model = model_copy("small-vocab")
+    low, high = "a b", "the capital city of france"
+    vocab = max(tok(low)["input_ids"]) + 1
+    bad = next(i for i in tok(high)["input_ids"] if i >= vocab)
+    # text_config.vocab_size wins over the top-level one (multimodal configs nest it).
+    config = json.loads((model / "config.json").read_text())
+    config["text_config"] = {"vocab_size": vocab}
+    (model / "config.json").write_text(json.dumps(config))
+
+    path = write_jsonl(tmp_path / "v.jsonl", [{"text": high}, {"text": low}])
+    plan = plan_for(path, model)
+    assert plan.sample_ids == ["v.jsonl:2"]
+    reason = f"token id {bad} is outside the model's vocabulary [0, {vocab})"
+    assert plan.rejected == [{"sample_id": "v.jsonl:1", "reason": reason}]
+
+
+def test_no_chat_template(tmp_path: Path, model_copy) -> None:
+    model = model_copy("no-template")
+    (model / "chat_template.jinja").unlink()
+    path = write_jsonl(tmp_path / "d.jsonl", CHAT_ROWS)
+    plan = plan_for(path, model)
+    assert plan.chat_template is None
+    assert plan.sample_ids == ["t1", "17"]
+    reason = "the model has no chat template; set data.chat_template"
+    assert plan.rejected == [{"sample_id": i, "reason": reason} for i in ("c1", "c2", "c3")]
+
+
+def test_prefix_mask_equals_generation_mask(tmp_path: Path, llama_path: Path, tok: Any) -> None:
+    template = tmp_path / "no_markers.jinja"
+    template.write_text(NO_MARKERS_TEMPLATE)
+    path = write_jsonl(tmp_path / "d.jsonl", CHAT_ROWS)
+    marked = plan_for(path, llama_path)
+    by_prefix = plan_for(path, llama_path, chat_template=str(template))
+    assert by_prefix.chat_template == NO_MARKERS_TEMPLATE
+    assert as_tuple(by_prefix) == as_tuple(marked)
+    assert sum(m.sum() for m in by_prefix.loss_masks) > 0
+
+
+def test_prefix_unstable_template_rejects_multi_turn_rows(tmp_path: Path, llama_path: Path) -> None:
+    # An end-of-conversation token only after the last message: earlier assistant turns render
+    # differently once later turns follow, so their tokens cannot be found by prefix differences.
+    template = tmp_path / "unstable.jinja"
+    template.write_text(
+        NO_MARKERS_TEMPLATE + "{% if not add_generation_prompt %}<|eos|>{% endif %}"
+    )
+    path = write_jsonl(tmp_path / "d.jsonl", CHAT_ROWS)
+    plan = plan_for(path, llama_path, chat_template=str(template))
+    assert plan.sample_ids == ["t1", "c1", "17"]
+    assert plan.rejected == [{"sample_id": i, "reason": PREFIX_UNSTABLE} for i in ("c2", "c3")]
+    assert plan_for(path, llama_path, chat_template=str(template), loss_mask="all").rejected == []
+
+
+@pytest.mark.parametrize("markers", [True, False])
+def test_template_errors_zero_tokens_and_unmarked_rows(
+    tmp_path: Path, llama_path: Path, tok: Any, markers: bool
+) -> None:
+    # Roles other than user/assistant raise; role "silent" renders nothing; an assistant's
+    # content is its only marked part (no end token), so an empty one marks nothing.
+    body = "{{ message['content'] }}"
+    template = tmp_path / "t.jinja"
+    template.write_text(
+        "{% for message in messages %}"
+        "{% if message['role'] not in ['user', 'assistant', 'silent'] %}"
+        "{{ raise_exception('unknown role ' + message['role']) }}{% endif %}"
+        "{% if message['role'] != 'silent' %}<|im_start|>{{ message['role'] }}\n"
+        "{% if message['role'] == 'assistant' %}"
+        + ("{% generation %}" + body + "{% endgeneration %}" if markers else body)
+        + "{% else %}{{ message['content'] }}{% endif %}<|im_end|>{% endif %}"
+        "{% endfor %}"
+        "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+    )
+    rows = [
+        {"id": "ok", "messages": chat("hello", "world")},
+        {"id": "tool", "messages": [*chat("hello", "world"), {"role": "tool", "content": "x"}]},
+        {"id": "empty", "messages": chat("hello", "")},
+        {"id": "ok2", "messages": chat("why?", "yes")},
+    ]
+    path = write_jsonl(tmp_path / "d.jsonl", rows)
+    plan = plan_for(path, llama_path, chat_template=str(template))
+    error = {"sample_id": "tool", "reason": "chat template error: unknown role tool"}
+    if markers:
+        assert plan.sample_ids == ["ok", "ok2"]
+        unmarked = {"sample_id": "empty", "reason": "the chat template marks no assistant tokens"}
+        assert plan.rejected == [error, unmarked]
+    else:  # prefix differences take the end token too, so the empty turn still marks one token
+        assert plan.sample_ids == ["ok", "empty", "ok2"]
+        assert plan.rejected == [error]
+        ids, mask = plan.input_ids[1], plan.loss_masks[1]
+        assert mask_runs(ids, mask, tok) == [ASSISTANT_END]
+    silent = write_jsonl(tmp_path / "s.jsonl", [{"messages": [{"role": "silent", "content": "x"}]}])
+    plan = plan_for(silent, llama_path, chat_template=str(template), loss_mask="all")
+    assert plan.rejected == [{"sample_id": "s.jsonl:1", "reason": "zero tokens"}]
+
+
+def test_plan_errors(tmp_path: Path, llama_path: Path) -> None:
+    good = write_jsonl(tmp_path / "d.jsonl", CHAT_ROWS[:1])
+    with pytest.raises(PlanError, match=r"missing\.jsonl"):
+        plan_for([good, tmp_path / "missing.jsonl"], llama_path)
+    (tmp_path / "d.csv").write_text("id,text\n")
+    with pytest.raises(PlanError, match=r"d\.csv.*set data\.format"):
+        plan_for(tmp_path / "d.csv", llama_path)
+    with pytest.raises(PlanError, match=r"nope\.jinja"):
+        plan_for(good, llama_path, chat_template=str(tmp_path / "nope.jinja"))
+    with pytest.raises(PlanError, match="is a directory"):
+        plan_for(tmp_path, llama_path, format="jsonl")
+    with pytest.raises(PlanError, match=r"d\.csv"):
+        plan_for(tmp_path / "d.csv", llama_path, format="parquet")
+    with pytest.raises(PlanError, match="saved datasets directory"):
+        plan_for(tmp_path, llama_path)
+
+    import datasets
+
+    datasets.DatasetDict({"train": datasets.Dataset.from_list(CHAT_ROWS[:1])}).save_to_disk(
+        str(tmp_path / "dd")
+    )
+    with pytest.raises(PlanError, match="no split 'validation'"):
+        plan_for(tmp_path / "dd", llama_path, split="validation")

@@ -1,0 +1,78 @@
+"""A local Ray head for the demo and the `ray job submit` test, stopped by its own handle.
+
+`ray start --head --block` stays in the foreground and takes the head's processes down with it
+when terminated, so stopping it never touches another Ray on the machine (`ray stop` would
+stop every one). Every port it opens is a free one, for the same reason.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import requests
+
+from actors.sglang_server import free_port
+
+BIN = Path(sys.executable).parent  # the venv's ray and python
+
+
+@contextmanager
+def local_head(
+    resources: dict[str, float], num_cpus: int, log_path: Path, timeout: float = 180.0
+) -> Iterator[str]:
+    """Yields the head's job API address (http://127.0.0.1:PORT)."""
+    dashboard = free_port()
+    cmd = [
+        str(BIN / "ray"), "start", "--head", "--block", "--disable-usage-stats",
+        "--node-ip-address=127.0.0.1",
+        f"--port={free_port()}",
+        "--include-dashboard=true", "--dashboard-host=127.0.0.1", f"--dashboard-port={dashboard}",
+        f"--ray-client-server-port={free_port()}",
+        f"--dashboard-agent-listen-port={free_port()}",
+        f"--dashboard-agent-grpc-port={free_port()}",
+        f"--runtime-env-agent-port={free_port()}",
+        f"--metrics-export-port={free_port()}",
+        f"--num-cpus={num_cpus}", "--num-gpus=0",
+        f"--resources={json.dumps(resources)}",
+    ]  # fmt: skip
+    # The job's `python` is the venv's: the job supervisor inherits the head's PATH.
+    env = {**os.environ, "PATH": f"{BIN}{os.pathsep}{os.environ.get('PATH', '')}"}
+    env.pop("RAY_ADDRESS", None)
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    with open(log_path, "wb") as log:
+        head = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
+    address = f"http://127.0.0.1:{dashboard}"
+    try:
+        _wait_for_jobs_api(address, head, log_path, timeout)
+        yield address
+    finally:
+        head.send_signal(signal.SIGTERM)
+        try:
+            head.wait(60)
+        except subprocess.TimeoutExpired:
+            head.kill()
+            head.wait()
+
+
+def _wait_for_jobs_api(address: str, head: subprocess.Popen, log: Path, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if head.poll() is not None:
+            raise RuntimeError(
+                f"ray start exited with {head.returncode}:\n{log.read_text()[-3000:]}"
+            )
+        try:
+            if requests.get(f"{address}/api/jobs/", timeout=2).ok:
+                return
+        except requests.RequestException:
+            pass
+        time.sleep(1)
+    raise TimeoutError(f"the Ray head's job API at {address} did not come up in {timeout:.0f} s")
