@@ -96,6 +96,7 @@ class NodeWorker:
         self.calibration: Calibration | None = None
         self.metrics = WorkerMetrics(self.id)
         self.restarts = 0
+        self.phase = "starting"  # starting (server + calibration) | working | idle
         self.progress: dict[str, Any] = {"shard": None, "written": 0, "failed": 0}
         self._http = requests.Session()
 
@@ -113,6 +114,7 @@ class NodeWorker:
                 elif ray.get(self.queue.finished.remote()):
                     break
                 else:
+                    self.phase = "idle"
                     self.progress = {"shard": None, "written": 0, "failed": 0}
                     time.sleep(self.config.idle_poll_seconds)
         finally:
@@ -123,7 +125,7 @@ class NodeWorker:
         return self.server.process.pid if self.server and self.server.process else None
 
     def status(self) -> dict[str, Any]:
-        return {"worker": self.id, "restarts": self.restarts, **self.progress}
+        return {"worker": self.id, "phase": self.phase, "restarts": self.restarts, **self.progress}
 
     def shutdown(self) -> None:
         if self.server is not None:
@@ -134,6 +136,7 @@ class NodeWorker:
     # -- server lifecycle ---------------------------------------------------------------------
 
     def _start_server(self) -> None:
+        self.phase = "starting"
         on_gpu = torch.cuda.is_available()
         spec = ServerSpec(
             model_path=Path(self.config.model_path),
@@ -184,6 +187,7 @@ class NodeWorker:
     def _process(self, lease: Lease) -> dict[str, Any]:
         shard = self.store.shards[lease.shard]
         started = time.monotonic()
+        self.phase = "working"
         self.progress = {
             "shard": shard.index,
             "written": 0,

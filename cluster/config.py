@@ -92,6 +92,11 @@ class QueueConfig(_Section):
 
 class DriverConfig(_Section):
     progress_interval_s: float = Field(10.0, gt=0)
+    # Once every shard is done, workers still busy after this long (a straggler whose shard a
+    # duplicate committed, stuck in a slow request) are stopped rather than waited for.
+    finish_grace_s: float = Field(60.0, ge=0)
+    # With no usable GPU node at all, wait this long for one to join before giving up.
+    node_wait_s: float = Field(300.0, ge=0)
 
 
 class JobConfig(_Section):

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -32,7 +33,6 @@ from cluster.shard_queue import QueueStatus, ShardQueueActor
 from cluster.store import Store
 
 log = logging.getLogger("cluster.driver")
-NO_NODE_GRACE_S = 300.0  # how long to wait for a first GPU node before giving up
 
 
 def worker_config(config: JobConfig) -> WorkerConfig:
@@ -126,15 +126,23 @@ class Driver:
 
     def _watch(self, queue: Any, wconfig: WorkerConfig, meter: ProgressMeter) -> QueueStatus:
         interval = self.config.driver.progress_interval_s
-        first_seen = time.monotonic()
+        started, finished_at = time.monotonic(), None
         while True:
             status: QueueStatus = ray.get(queue.status.remote())
             if status.finished and not self.workers:
                 return status
             if not status.finished:  # once finished, the workers stop on their own
                 self._start_missing_workers(wconfig, queue)
+            elif finished_at is None:
+                finished_at = time.monotonic()
+            elif time.monotonic() - finished_at > self.config.driver.finish_grace_s:
+                self._stop_lingering_workers()
+                continue
             if not self.workers:
-                if not self._usable_nodes() and time.monotonic() - first_seen > NO_NODE_GRACE_S:
+                given_up = any(
+                    n >= self.config.worker.max_node_failures for n in self.node_failures.values()
+                )
+                if given_up or time.monotonic() - started > self.config.driver.node_wait_s:
                     self.say(
                         f"no usable node with resource {self.config.worker.node_resource!r}; "
                         f"stopping with {status.total - status.completed} shards not done"
@@ -146,6 +154,15 @@ class Driver:
             for ref in done:
                 self._reap(ref, queue)
             self.say(self._progress_line(meter, status))
+
+    def _stop_lingering_workers(self) -> None:
+        for ref, running in list(self.workers.items()):
+            self.say(
+                f"{running.worker_id}: still busy {self.config.driver.finish_grace_s:.0f} s after "
+                "every shard was done (a straggler whose shard a duplicate committed); stopping it"
+            )
+            ray.kill(running.handle, no_restart=True)
+            del self.workers[ref]
 
     def _reap(self, ref: Any, queue: Any) -> None:
         running = self.workers.pop(ref)
@@ -197,14 +214,15 @@ class Driver:
             self.say(f"started {worker_id}")
 
     def _progress_line(self, meter: ProgressMeter, status: QueueStatus) -> str:
-        in_flight = 0
         refs = [r.handle.status.remote() for r in self.workers.values()]
         try:
-            for s in ray.get(refs, timeout=5):
-                in_flight += s.get("written", 0)
+            states = ray.get(refs, timeout=5)
         except (GetTimeoutError, RayError):
-            pass  # a worker busy dying: the next line catches up
-        return meter.line(list(status.summaries.values()), in_flight, len(self.workers))
+            states = []  # a worker busy dying: the next line catches up
+        # Samples of shards still in progress (a finished shard is in the summaries already).
+        in_flight = sum(s["written"] for s in states if s["shard"] not in status.summaries)
+        phases = Counter(s["phase"] for s in states)
+        return meter.line(list(status.summaries.values()), in_flight, dict(phases))
 
 
 def run_job(config: JobConfig, say: Any = print) -> int:

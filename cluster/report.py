@@ -28,36 +28,42 @@ def bar(fraction: float, width: int = 24) -> str:
 
 @dataclass
 class ProgressMeter:
-    """Rates over this run: shards committed by an earlier run are counted as done up front."""
+    """Rates over this run's working time (from the first sample written, so server startup
+    does not dilute them); shards committed by an earlier run count as done up front."""
 
     total_samples: int
     total_tokens: int
     done_samples: int = 0  # committed before this run
     done_tokens: int = 0
     started: float = field(default_factory=time.monotonic)
+    working_since: float | None = None
 
     def line(
         self,
         completed: list[dict[str, Any]],
         in_flight_samples: int,
-        workers: int,
+        workers: dict[str, int],
         now: float | None = None,
     ) -> str:
         """`completed`: summaries of shards completed in this run; `in_flight_samples`: samples
-        written so far in shards still running."""
-        elapsed = max((now or time.monotonic()) - self.started, 1e-9)
-        tokens = sum(s["tokens"] for s in completed)
+        written so far in shards still running; `workers`: how many are in each phase."""
+        now = time.monotonic() if now is None else now
         samples = self.done_samples + sum(s["samples"] for s in completed) + in_flight_samples
+        if self.working_since is None and samples > self.done_samples:
+            self.working_since = now
+        working = now - self.working_since if self.working_since is not None else 0.0
+        tokens = sum(s["tokens"] for s in completed)
         failed = sum(len(s["failed"]) for s in completed)
-        rate = tokens / elapsed
+        rate = tokens / working if working > 0 else 0.0
+        gbps = sum(s["bytes_written"] for s in completed) / working / 1e9 if working > 0 else 0.0
         remaining = self.total_tokens - self.done_tokens - tokens
         eta = _duration(remaining / rate) if rate > 0 else "?"
-        gbps = sum(s["bytes_written"] for s in completed) / elapsed / 1e9
-        fraction = samples / self.total_samples if self.total_samples else 1.0
+        fraction = min(1.0, samples / self.total_samples) if self.total_samples else 1.0
+        phases = ", ".join(f"{n} {phase}" for phase, n in sorted(workers.items()))
         return (
             f"{bar(fraction)} {fraction:4.0%} samples {samples}/{self.total_samples}"
             f"{f' ({failed} failed)' if failed else ''} | {rate:,.0f} tok/s | {gbps:.3f} GB/s | "
-            f"workers {workers} | elapsed {_duration(elapsed)} | ETA {eta}"
+            f"workers: {phases or 'none'} | elapsed {_duration(now - self.started)} | ETA {eta}"
         )
 
 

@@ -95,7 +95,7 @@ class ShardQueue:
         if self._pending:
             shard = self._pending.popleft()
             # Someone else may still be mid-write on it (an expired holder): defer.
-            deferred = any(self._lease_shard[lid] == shard for lid in +self._open)
+            deferred = any(self._lease_shard[lid] == shard for lid in self._open)
             return self._issue(shard, worker, deferred)
         straggler = self._straggler(worker)
         return None if straggler is None else self._issue(straggler, worker, deferred=True)
@@ -118,8 +118,10 @@ class ShardQueue:
         return True
 
     def end_write(self, lease_id: str) -> None:
-        if self._open[lease_id] > 0:
+        if self._open[lease_id] > 1:
             self._open[lease_id] -= 1
+        else:  # no zero entries: acquire and fenced scan the open writes on every call
+            self._open.pop(lease_id, None)
 
     def claim(self, lease_id: str) -> bool:
         """First claim wins the right to commit the shard; every other lease of it is revoked
@@ -138,7 +140,7 @@ class ShardQueue:
     def fenced(self, lease_id: str) -> bool:
         """True once no other lease of this lease's shard has a write in progress."""
         shard = self._lease_shard.get(lease_id)
-        return not any(self._lease_shard[lid] == shard and lid != lease_id for lid in +self._open)
+        return not any(self._lease_shard[lid] == shard and lid != lease_id for lid in self._open)
 
     def complete(self, lease_id: str, summary: dict[str, Any]) -> bool:
         """Mark the shard done; only the holder of its claim may, and only once."""

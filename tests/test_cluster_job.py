@@ -228,3 +228,44 @@ def test_a_stopped_driver_resumes_skipping_committed_shards_and_refuses_another_
     err = capsys.readouterr().err
     assert status == 2 and "refusing to resume" in err
     assert "layer_ids" in err and "samples_per_shard" in err
+
+
+def test_a_straggling_shard_is_run_again_at_the_tail_and_only_the_first_commit_is_visible(
+    two_nodes: Cluster, deepseek_path: Path, tmp_path: Path
+) -> None:
+    rows = write_prompts(tmp_path / "prompts.jsonl", 36)
+    raw = job_config(deepseek_path, tmp_path / "prompts.jsonl", tmp_path / "s.zarr", tmp_path)
+    raw["store"]["samples_per_shard"] = 12  # 3 shards, each taking seconds at inflight 1
+    raw["worker"]["inflight"] = 1
+    raw["queue"].update(straggler_factor=1.0, straggler_min_s=2)
+    driver = Driver(parse_config(raw), say=lambda _: None)
+    result: list[int] = []
+    thread = threading.Thread(target=lambda: result.append(driver.run()))
+    thread.start()
+    # Freeze one worker's server in the middle of a shard: its worker keeps renewing the
+    # lease, so only the tail re-issue can get that shard done.
+    deadline, frozen = time.monotonic() + 400, None
+    while frozen is None:
+        assert time.monotonic() < deadline and thread.is_alive(), "no worker got a shard"
+        for running in list(driver.workers.values()):
+            status = ray.get(running.handle.status.remote())
+            if status["shard"] is not None and 1 <= status["written"] <= 6:
+                frozen = (running, status["shard"], ray.get(running.handle.server_pid.remote()))
+                os.killpg(frozen[2], signal.SIGSTOP)
+                break
+        time.sleep(0.05)
+    running, shard, server_pid = frozen
+    try:
+        while store_committed(tmp_path / "s.zarr") < 3:
+            assert time.monotonic() < deadline and thread.is_alive(), "the straggler stayed"
+            time.sleep(0.2)
+    finally:
+        os.killpg(server_pid, signal.SIGCONT)
+    thread.join(600)
+
+    assert result == [0]
+    store = Store.open(tmp_path / "s.zarr")
+    assert_exactly_once(store, rows, deepseek_path)
+    summary = store.summary(shard)
+    assert summary["deferred"] and summary["worker"] != running.worker_id
+    assert_store_matches_reference(store, deepseek_path, [shard])

@@ -33,7 +33,8 @@ def main(argv: list[str] | None = None) -> int:
     store = out / "demo.zarr"
     shutil.rmtree(store, ignore_errors=True)  # the demo starts over; a real job would resume
     print(f"starting a local Ray head (log: {out / 'ray-head.log'}) ...", flush=True)
-    with local_head({"sglang_node": 1}, num_cpus=2, log_path=out / "ray-head.log") as address:
+    head = local_head({"sglang_node": 1}, num_cpus=2, log_path=out / "ray-head.log")
+    with head as (address, env):
         print(f"Ray head up, job API at {address}", flush=True)
         cmd = [
             str(BIN / "ray"), "job", "submit", "--address", address,
@@ -43,7 +44,7 @@ def main(argv: list[str] | None = None) -> int:
             "--set", f"store.url={store}",
         ]  # fmt: skip
         print("$ " + " ".join(cmd), flush=True)
-        status = subprocess.run(cmd, cwd=REPO, check=False).returncode
+        status = subprocess.run(cmd, cwd=REPO, env=env, check=False).returncode
     print(f"\nstore: {store} (ray job submit exited {status}; the head is stopped)", flush=True)
     return status
 

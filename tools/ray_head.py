@@ -2,13 +2,16 @@
 
 `ray start --head --block` stays in the foreground and takes the head's processes down with it
 when terminated, so stopping it never touches another Ray on the machine (`ray stop` would
-stop every one). Every port it opens is a free one, for the same reason.
+stop every one). Every port it opens is a free one, for the same reason. The head requires a
+token of its own (Ray's token authentication, on by default for local clusters since Ray 2.59):
+clients get it through the environment `local_head` yields, never from files in $HOME.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import secrets
 import signal
 import subprocess
 import sys
@@ -27,8 +30,9 @@ BIN = Path(sys.executable).parent  # the venv's ray and python
 @contextmanager
 def local_head(
     resources: dict[str, float], num_cpus: int, log_path: Path, timeout: float = 180.0
-) -> Iterator[str]:
-    """Yields the head's job API address (http://127.0.0.1:PORT)."""
+) -> Iterator[tuple[str, dict[str, str]]]:
+    """Yields the head's job API address (http://127.0.0.1:PORT) and the environment for its
+    clients (`ray job submit`, ...): the venv on PATH and the head's auth token."""
     dashboard = free_port()
     cmd = [
         str(BIN / "ray"), "start", "--head", "--block", "--disable-usage-stats",
@@ -44,15 +48,20 @@ def local_head(
         f"--resources={json.dumps(resources)}",
     ]  # fmt: skip
     # The job's `python` is the venv's: the job supervisor inherits the head's PATH.
-    env = {**os.environ, "PATH": f"{BIN}{os.pathsep}{os.environ.get('PATH', '')}"}
+    env = {
+        **os.environ,
+        "PATH": f"{BIN}{os.pathsep}{os.environ.get('PATH', '')}",
+        "RAY_AUTH_MODE": "token",
+        "RAY_AUTH_TOKEN": secrets.token_hex(32),
+    }
     env.pop("RAY_ADDRESS", None)
     log_path.parent.mkdir(parents=True, exist_ok=True)
     with open(log_path, "wb") as log:
         head = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
     address = f"http://127.0.0.1:{dashboard}"
     try:
-        _wait_for_jobs_api(address, head, log_path, timeout)
-        yield address
+        _wait_for_jobs_api(address, env["RAY_AUTH_TOKEN"], head, log_path, timeout)
+        yield address, env
     finally:
         head.send_signal(signal.SIGTERM)
         try:
@@ -62,7 +71,9 @@ def local_head(
             head.wait()
 
 
-def _wait_for_jobs_api(address: str, head: subprocess.Popen, log: Path, timeout: float) -> None:
+def _wait_for_jobs_api(
+    address: str, token: str, head: subprocess.Popen, log: Path, timeout: float
+) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if head.poll() is not None:
@@ -70,7 +81,8 @@ def _wait_for_jobs_api(address: str, head: subprocess.Popen, log: Path, timeout:
                 f"ray start exited with {head.returncode}:\n{log.read_text()[-3000:]}"
             )
         try:
-            if requests.get(f"{address}/api/jobs/", timeout=2).ok:
+            auth = {"Authorization": f"Bearer {token}"}
+            if requests.get(f"{address}/api/jobs/", headers=auth, timeout=2).ok:
                 return
         except requests.RequestException:
             pass

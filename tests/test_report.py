@@ -1,0 +1,28 @@
+"""The driver's progress line: rates over working time, shards of earlier runs counted as done."""
+
+from __future__ import annotations
+
+from cluster.report import ProgressMeter
+
+
+def shard(samples: int, tokens: int, failed: int = 0) -> dict:
+    return {
+        "samples": samples,
+        "tokens": tokens,
+        "bytes_written": tokens * 4_000_000,
+        "failed": {f"s{i}": "why" for i in range(failed)},
+    }
+
+
+def test_progress_rates_start_with_the_first_written_sample() -> None:
+    meter = ProgressMeter(total_samples=20, total_tokens=2000, done_samples=4, done_tokens=400,
+                          started=0.0)  # fmt: skip
+    startup = meter.line([], 0, {"starting": 2}, now=60.0)
+    assert "samples 4/20" in startup and "0 tok/s" in startup and "ETA ?" in startup
+    assert "workers: 2 starting" in startup
+    meter.line([], 1, {"working": 2}, now=100.0)  # the first sample: working time starts
+    line = meter.line([shard(4, 400, failed=1)], 3, {"working": 1, "idle": 1}, now=110.0)
+    # 4 earlier + 4 completed + 3 in flight; 400 tokens in 10 s of work; 1200 tokens left.
+    assert "samples 11/20 (1 failed)" in line and "40 tok/s" in line
+    assert "0.160 GB/s" in line and "ETA 0:00:30" in line and "elapsed 0:01:50" in line
+    assert "workers: 1 idle, 1 working" in line and " 55%" in line
