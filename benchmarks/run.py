@@ -3,6 +3,10 @@
 Each `benchmarks/<name>.py` measures its own baseline in the same run and prints, as its last
 line, `RESULT name=<name> value=<number> target=<number> unit=<unit>`. A script that cannot run
 here (for example one that needs CUDA) prints `SKIP: <why>` and no RESULT.
+
+Besides the table on stdout, writes out/bench/report.md (the table with value/target, pass/fail,
+the skipped ones and the machine) and out/bench/ratios.png (value/target per benchmark); see
+benchmarks/report.py.
 """
 
 from __future__ import annotations
@@ -11,19 +15,20 @@ import subprocess
 import sys
 from pathlib import Path
 
+from benchmarks.report import parse_result, parse_skip, to_row, write_report
+
 HERE = Path(__file__).parent
-NOT_BENCHMARKS = {"__init__", "run"}
+OUT = HERE.parent / "out" / "bench"
+NOT_BENCHMARKS = {"__init__", "run", "report"}
 
-
-def parse_result(line: str) -> dict[str, str]:
-    return dict(field.split("=", 1) for field in line.split()[1:])
+__all__ = ["main", "parse_result"]
 
 
 def main() -> int:
     names = sys.argv[1:] or sorted(
         p.stem for p in HERE.glob("*.py") if p.stem not in NOT_BENCHMARKS
     )
-    rows, failed = [], []
+    rows, skipped, failed = [], {}, []
     for name in names:
         print(f"== {name}", flush=True)
         proc = subprocess.run(
@@ -31,19 +36,26 @@ def main() -> int:
         )
         sys.stdout.write(proc.stdout)
         lines = proc.stdout.strip().splitlines()
+        skip = parse_skip(lines)
         if proc.returncode != 0:
             sys.stdout.write(proc.stderr[-3000:])
             failed.append(name)
         elif lines and lines[-1].startswith("RESULT "):
-            rows.append(parse_result(lines[-1]))
-        elif not any(line.startswith("SKIP") for line in lines):
+            rows.append(to_row(parse_result(lines[-1])))
+        elif skip is not None:
+            skipped[name] = skip
+        else:
             failed.append(name)
             print(f"{name}: no RESULT line")
     print("\n| benchmark | value | target | unit |\n|---|---|---|---|")
     for row in rows:
-        print(f"| {row['name']} | {row['value']} | {row['target']} | {row['unit']} |")
+        print(f"| {row.name} | {row.value:g} | {row.target:g} | {row.unit} |")
+    for name, why in skipped.items():
+        print(f"| {name} | skipped: {why} | | |")
     if failed:
         print(f"failed: {', '.join(failed)}")
+    md, png = write_report(OUT, rows, skipped, failed)
+    print(f"report: {md.relative_to(HERE.parent)}, {png.relative_to(HERE.parent)}")
     return 1 if failed else 0
 
 

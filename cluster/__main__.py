@@ -1,10 +1,18 @@
-"""`python -m cluster run --config JOB.yaml [--set section.field=value ...]`: the job's driver
-(the entrypoint of `ray job submit`). Exit status: 0 every planned sample written, 1 some
-failed or not committed, 2 a bad config or a store made by another job."""
+"""The command line.
+
+python -m cluster run --config JOB.yaml [--set section.field=value ...]
+    the job's driver (the entrypoint of `ray job submit`); exit 0: every planned sample
+    written, 1: some failed or not committed, 2: a bad config or a store of another job
+python -m cluster verify --store URL [--model PATH --recompute N]
+    check a store's integrity (cluster/verify.py); exit 0 ok, 1 problems, 2 unreadable
+python -m cluster export --store URL --format {specforge,speculators} --out DIR
+    write the committed samples in a trainer's offline format (cluster/export.py)
+"""
 
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import logging
 import sys
@@ -13,6 +21,7 @@ from cluster.config import ConfigError, load_config
 from cluster.job_store import ResumeConflict
 from cluster.plan import PlanError
 
+DELEGATED = ("verify", "export")
 SHORTCUTS = {  # --model X is --set model.path=X, and so on
     "model": "model.path",
     "data": "data.paths",
@@ -21,8 +30,12 @@ SHORTCUTS = {  # --model X is --set model.path=X, and so on
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="python -m cluster", description=__doc__)
+    parser = argparse.ArgumentParser(
+        prog="python -m cluster", description=__doc__, formatter_class=argparse.RawTextHelpFormatter
+    )
     commands = parser.add_subparsers(dest="command", required=True)
+    for name in DELEGATED:
+        commands.add_parser(name, help=f"see python -m cluster {name} --help", add_help=False)
     run = commands.add_parser("run", help="plan (or resume) and run an extraction job")
     run.add_argument("--config", help="job YAML (see ray_configs/demo_job.yaml)")
     run.add_argument(
@@ -40,7 +53,10 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = parse_args(sys.argv[1:] if argv is None else argv)
+    argv = sys.argv[1:] if argv is None else argv
+    if argv and argv[0] in DELEGATED:  # commands with their own argument parsers
+        return importlib.import_module(f"cluster.{argv[0]}").main(argv[1:])
+    args = parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     overrides = list(args.overrides)
     for name, key in SHORTCUTS.items():

@@ -8,7 +8,9 @@ index i is the residual stream entering decoder layer i (0 = the embeddings).
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 from patches.dump_files import LAYER_CONVENTION
 
@@ -48,6 +50,24 @@ def resolve_layer_ids(config: dict, requested: list[int] | None) -> list[int]:
             f"cannot be captured from a {num_layers}-layer model (valid: 0..{num_layers - 1})"
         )
     return sorted(resolved)
+
+
+def requested_layer_ids(config: dict[str, Any], resolved: Sequence[int]) -> list[int]:
+    """The `--return-aux-hidden-state-layer-ids` that make SGLang capture the HF indices
+    `resolved` (the inverse of cluster.layers.resolve_layer_ids). DeepSeek-style models take ids
+    as given unless the first is 1: a resolved [1, ...] is asked for with 1 moved last. Llama and
+    the rest add 1: ask for each id minus 1 (the embeddings, 0, cannot be asked for)."""
+    resolved = sorted(int(i) for i in resolved)
+    if set(config.get("architectures") or []) & DEEPSEEK_STYLE:
+        requested = resolved[1:] + resolved[:1] if resolved[:1] == [1] else resolved
+    else:
+        requested = [i - 1 for i in resolved]
+    if min(requested, default=0) < 0 or resolve_layer_ids(config, requested) != resolved:
+        raise ValueError(
+            f"no --return-aux-hidden-state-layer-ids make SGLang capture {resolved} "
+            f"for {config.get('architectures')}"
+        )
+    return requested
 
 
 def expected_capture(model_path: Path, requested: list[int] | None, dtype: str) -> dict:

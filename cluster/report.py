@@ -82,12 +82,12 @@ def build_report(store: Store, run: dict[str, Any]) -> dict[str, Any]:
         lambda: {"shards": 0, "samples": 0, "tokens": 0, "seconds": 0.0, "server_restarts": 0}
     )
     for s in summaries.values():
-        w = workers[s["worker"]]
+        w = workers[s.get("worker", "?")]
         w["shards"] += 1
         w["samples"] += s["samples"]
-        w["tokens"] += s["tokens"]
-        w["seconds"] = round(w["seconds"] + s["seconds"], 3)
-        w["server_restarts"] = max(w["server_restarts"], s["server_restarts"])
+        w["tokens"] += s.get("tokens", 0)
+        w["seconds"] = round(w["seconds"] + s.get("seconds", 0.0), 3)
+        w["server_restarts"] = max(w["server_restarts"], s.get("server_restarts", 0))
     uncommitted = [sh for sh in store.shards if not committed[sh.index]]
     not_done = sum(sh.sample_end - sh.sample_begin for sh in uncommitted)
     rejected = store.rejected

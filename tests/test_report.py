@@ -15,8 +15,9 @@ def shard(samples: int, tokens: int, failed: int = 0) -> dict:
 
 
 def test_progress_rates_start_with_the_first_written_sample() -> None:
-    meter = ProgressMeter(total_samples=20, total_tokens=2000, done_samples=4, done_tokens=400,
-                          started=0.0)  # fmt: skip
+    meter = ProgressMeter(
+        total_samples=20, total_tokens=2000, done_samples=4, done_tokens=400, started=0.0
+    )
     startup = meter.line([], 0, {"starting": 2}, now=60.0)
     assert "samples 4/20" in startup and "0 tok/s" in startup and "ETA ?" in startup
     assert "workers: 2 starting" in startup
@@ -26,3 +27,47 @@ def test_progress_rates_start_with_the_first_written_sample() -> None:
     assert "samples 11/20 (1 failed)" in line and "40 tok/s" in line
     assert "0.160 GB/s" in line and "ETA 0:00:30" in line and "elapsed 0:01:50" in line
     assert "workers: 1 idle, 1 working" in line and " 55%" in line
+
+
+def test_the_report_counts_failed_uncommitted_and_rejected_samples(tmp_path) -> None:
+    from actors.shard_writer import ShardWriter
+    from cluster.report import build_report, format_report
+    from tests.test_store import as_input, new_store, sample_bits, write_shard
+
+    store = new_store(tmp_path / "s.zarr")  # 3 shards; one plan-time reject
+    write_shard(store, 0)
+    sh = store.shards[1]
+    writer = ShardWriter(store, sh)
+    for i in range(sh.sample_begin, sh.sample_end):
+        if i == 5:
+            writer.mark_failed(i, "token ids differ from the plan")
+        else:
+            writer.write_sample(i, *(as_input(x, i) for x in sample_bits(i)))
+    writer.commit(
+        {"worker": "w1", "tokens": 32, "seconds": 2.0, "server_restarts": 1, "samples": 4}
+    )
+    report = build_report(
+        store,
+        {
+            "store_url": "s.zarr",
+            "seconds": 4.0,
+            "given_up": {"2": ["w2: worker died", "w3: lease expired"]},
+        },
+    )
+
+    assert not report["ok"]
+    assert report["samples"] == {
+        "planned": 11,
+        "written": 7,
+        "failed": 1,
+        "not_committed": 3,
+        "rejected_at_plan": 1,
+    }
+    assert report["failed_samples"] == [
+        {"sample_id": "s5-é", "reason": "token ids differ from the plan"}
+    ]
+    assert report["shards"]["not_committed"] == [2]
+    assert report["workers"]["w1"]["server_restarts"] == 1
+    text = format_report(report)
+    assert "INCOMPLETE OR FAILED SAMPLES" in text and "failed s5-é: token ids differ" in text
+    assert "rejected bad: too long" in text and "shard 2 given up: w2: worker died" in text

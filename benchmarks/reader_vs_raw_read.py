@@ -1,0 +1,105 @@
+"""The training reader vs a plain sequential read of the same bytes, from the same disk.
+
+(a) baseline: every chunk file of `aux_hidden_states` and `final_hidden_states` read in order,
+    each into a fresh array (`np.fromfile`): a reader must hand out memory that outlives its
+    next read, so reading into one reused buffer would not be the same job;
+(b) HiddenStatesIterable: every visible sample as bf16 tensors, in store order, one process.
+Both read warm files (page cache), alternating, best of --repeats; the store is written first
+by the real ShardWriter (synthetic bf16 rows: 3 aux layers x hidden 4096, 256-2048 tokens per
+sample, ~2.4 GB).
+value = reader GB/s / raw GB/s over the hidden-state payload.
+
+    make bench BENCH=reader_vs_raw_read
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+from actors.shard_writer import ShardWriter
+from benchmarks.writer_vs_tofile import make_samples
+from cluster.reader import HiddenStatesIterable
+from cluster.store import DEFAULT_CODEC, create_store, make_manifest
+
+TARGET = 0.8
+
+
+def build_store(root: Path, samples: int, num_aux: int, hidden: int) -> tuple[str, int]:
+    """A committed store of random bf16 rows; returns its URL and the hidden-state bytes."""
+    rows = make_samples(samples, 256, 2048, num_aux, hidden)
+    model = root / "model"
+    model.mkdir()
+    for name in ("config.json", "tokenizer.json"):
+        (model / name).write_text("{}")
+    capture = {
+        "layer_ids": list(range(num_aux)),
+        "layer_convention": "bench",
+        "final_state": "post_norm",
+        "hidden_size": hidden,
+        "num_aux": num_aux,
+        "dtype": "bfloat16",
+    }
+    manifest = make_manifest(
+        "bench", model, capture, max_length=4096, samples_per_shard=16, codec=DEFAULT_CODEC
+    )
+    url = str(root / "s.zarr")
+    ids = [np.zeros(len(a), np.int32) for a, _ in rows]
+    store = create_store(url, manifest, [f"s{i}" for i in range(samples)], ids, ids)
+    for sh in store.shards:
+        writer = ShardWriter(store, sh)
+        for i in range(sh.sample_begin, sh.sample_end):
+            writer.write_sample(i, *rows[i])
+        writer.commit({})
+    return url, sum(a.nbytes + f.nbytes for a, f in rows)
+
+
+def raw_read_seconds(url: str) -> float:
+    files = sorted(
+        p
+        for name in ("aux_hidden_states", "final_hidden_states")
+        for p in (Path(url) / name / "c").rglob("*")
+        if p.is_file()
+    )
+    start = time.perf_counter()
+    for path in files:
+        np.fromfile(path, dtype=np.uint8)
+    return time.perf_counter() - start
+
+
+def reader_seconds(url: str) -> float:
+    start = time.perf_counter()
+    for sample in HiddenStatesIterable(url):
+        sample["aux_hidden_states"].sum  # noqa: B018 - the tensors exist; nothing is converted
+    return time.perf_counter() - start
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--samples", type=int, default=64)
+    parser.add_argument("--num-aux", type=int, default=3)
+    parser.add_argument("--hidden", type=int, default=4096)
+    parser.add_argument("--repeats", type=int, default=5)
+    args = parser.parse_args()
+    with tempfile.TemporaryDirectory(dir=os.getcwd(), prefix=".bench-reader-") as tmp:
+        url, payload = build_store(Path(tmp), args.samples, args.num_aux, args.hidden)
+        print(f"store: {args.samples} samples, {payload / 1e9:.2f} GB of hidden states")
+        raw_read_seconds(url)  # warm the page cache
+        raw, reader = [], []
+        for _ in range(args.repeats):
+            raw.append(raw_read_seconds(url))
+            reader.append(reader_seconds(url))
+        raw_gbps, reader_gbps = payload / min(raw) / 1e9, payload / min(reader) / 1e9
+    print(f"raw sequential read: {raw_gbps:.2f} GB/s (runs {[round(s, 3) for s in raw]} s)")
+    print(f"HiddenStatesIterable: {reader_gbps:.2f} GB/s (runs {[round(s, 3) for s in reader]} s)")
+    ratio = reader_gbps / raw_gbps
+    print(f"RESULT name=reader_vs_raw_read value={ratio:.3f} target={TARGET} unit=ratio")
+
+
+if __name__ == "__main__":
+    main()

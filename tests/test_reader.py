@@ -1,0 +1,129 @@
+"""The training readers over a store written by the real shard writer: stored bits and plan
+come back exactly, only committed and written samples are visible, DataLoader workers and ranks
+split the samples exactly once."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from torch.utils.data import DataLoader
+
+from actors.shard_writer import ShardWriter
+from cluster.reader import HiddenStatesDataset, HiddenStatesIterable, _DirectRows
+from cluster.store import Store, StoreFormatError
+from tests.test_store import NUM_AUX, H, as_input, new_store, plan, sample_bits, write_shard
+
+
+def partly_written_store(
+    path: Path, dtype: str = "bfloat16", codec: str = "none"
+) -> tuple[Store, list[int]]:
+    """Shards 0 and 2 committed (sample 9 failed), shard 1 written in part and never
+    committed; returns the visible samples. Uncompressed local chunks are read directly from
+    their files, zstd ones through zarr: both paths are tested."""
+    store = new_store(path, dtype, {"name": codec, "level": 1})
+    write_shard(store, 0)
+    sh = store.shards[1]
+    writer = ShardWriter(store, sh)
+    for i in range(sh.sample_begin, sh.sample_end - 1):
+        writer.write_sample(i, *(as_input(x, i) for x in sample_bits(i, dtype)))
+    writer.abort()
+    sh = store.shards[2]
+    writer = ShardWriter(store, sh)
+    for i in range(sh.sample_begin, sh.sample_end):
+        if i == 9:
+            writer.mark_failed(i, "verification failed")
+        else:
+            writer.write_sample(i, *(as_input(x, i) for x in sample_bits(i, dtype)))
+    writer.commit({})
+    return store, [0, 1, 2, 3, 8, 10]
+
+
+def assert_sample_exact(sample: dict, i: int, dtype: str) -> None:
+    names, ids, masks = plan()
+    aux, final = sample_bits(i, dtype)
+    assert sample["sample_id"] == names[i]
+    assert torch.equal(sample["input_ids"], torch.from_numpy(ids[i].astype(np.int64)))
+    assert torch.equal(sample["loss_mask"], torch.from_numpy(masks[i].astype(np.int64)))
+    want = torch.bfloat16 if dtype == "bfloat16" else torch.float32
+    assert sample["aux_hidden_states"].dtype == want == sample["final_hidden_states"].dtype
+    assert sample["aux_hidden_states"].shape == (len(ids[i]), NUM_AUX * H)
+    if dtype == "bfloat16":  # the stored bits, NaN payloads included
+        got_aux = sample["aux_hidden_states"].view(torch.int16).numpy().view(np.uint16)
+        got_final = sample["final_hidden_states"].view(torch.int16).numpy().view(np.uint16)
+    else:
+        got_aux, got_final = (
+            sample[k].numpy() for k in ("aux_hidden_states", "final_hidden_states")
+        )
+    np.testing.assert_array_equal(got_aux, aux.reshape(len(aux), -1))
+    np.testing.assert_array_equal(got_final, final)
+
+
+@pytest.mark.parametrize(
+    "dtype,codec", [("bfloat16", "none"), ("bfloat16", "zstd"), ("float32", "none")]
+)
+def test_random_access_returns_the_stored_bits_of_visible_samples_only(
+    tmp_path: Path, dtype: str, codec: str
+) -> None:
+    _, visible = partly_written_store(tmp_path / "s.zarr", dtype, codec)
+    ds = HiddenStatesDataset(str(tmp_path / "s.zarr"))
+    assert len(ds) == len(visible)
+    for k, i in enumerate(visible):
+        assert_sample_exact(ds[k], i, dtype)
+    with pytest.raises(IndexError):
+        ds[len(visible)]
+
+
+@pytest.mark.parametrize(
+    "block_bytes,codec", [(1, "none"), (1 << 30, "none"), (1000, "zstd")]
+)  # one sample per read, whole shards, a few samples
+def test_dataloader_workers_and_ranks_see_every_visible_sample_once(
+    tmp_path: Path, block_bytes: int, codec: str
+) -> None:
+    _, visible = partly_written_store(tmp_path / "s.zarr", codec=codec)
+    names = plan()[0]
+    url = str(tmp_path / "s.zarr")
+    seen = []
+    for rank in range(2):
+        it = HiddenStatesIterable(url, rank=rank, world_size=2, block_bytes=block_bytes)
+        loader = DataLoader(it, batch_size=None, num_workers=2)
+        for sample in loader:
+            i = names.index(sample["sample_id"])
+            assert_sample_exact(sample, i, "bfloat16")
+            seen.append(i)
+    assert sorted(seen) == visible
+
+
+def test_shuffled_epochs_permute_shards_and_still_cover_everything(tmp_path: Path) -> None:
+    _, visible = partly_written_store(tmp_path / "s.zarr")
+    it = HiddenStatesIterable(str(tmp_path / "s.zarr"), shuffle=True, seed=3)
+    orders = []
+    for epoch in range(6):
+        it.set_epoch(epoch)
+        orders.append([s["sample_id"] for s in it])
+    assert all(sorted(o) == sorted(orders[0]) for o in orders) and len(orders[0]) == len(visible)
+    assert len({tuple(o) for o in orders}) > 1
+
+
+def test_a_store_of_unknown_schema_is_refused(tmp_path: Path) -> None:
+    store, _ = partly_written_store(tmp_path / "s.zarr")
+    manifest = dict(store.group.attrs["manifest"])
+    store.group.attrs["manifest"] = {**manifest, "schema_version": 2}
+    with pytest.raises(StoreFormatError, match="schema version 2 is not supported"):
+        HiddenStatesDataset(str(tmp_path / "s.zarr"))
+    with pytest.raises(StoreFormatError):
+        HiddenStatesIterable(str(tmp_path / "s.zarr"))
+
+
+def test_direct_chunk_reads_equal_zarr_reads_missing_chunks_included(tmp_path: Path) -> None:
+    store, _ = partly_written_store(tmp_path / "s.zarr")
+    array = store.group["aux_hidden_states"]
+    assert _DirectRows.applies(array)
+    (tmp_path / "s.zarr" / "aux_hidden_states" / "c" / "1" / "0" / "0").unlink()
+    rng = np.random.default_rng(0)
+    for begin in [0, 3, 8, 15, *rng.integers(0, array.shape[0] - 1, 20).tolist()]:
+        end = int(rng.integers(begin + 1, array.shape[0] + 1))
+        np.testing.assert_array_equal(_DirectRows(array).read(begin, end), array[begin:end])
+    assert not _DirectRows.applies(new_store(tmp_path / "z.zarr").group["aux_hidden_states"])
