@@ -20,6 +20,7 @@ import sys
 from cluster.config import ConfigError, load_config
 from cluster.job_store import ResumeConflict
 from cluster.plan import PlanError
+from cluster.store import StoreFormatError
 
 DELEGATED = ("verify", "export")
 SHORTCUTS = {  # --model X is --set model.path=X, and so on
@@ -68,7 +69,7 @@ def main(argv: list[str] | None = None) -> int:
         from cluster.driver import run_job  # Ray and SGLang load only for a valid config
 
         return run_job(config, say=lambda text: print(text, flush=True))
-    except (ConfigError, ResumeConflict, PlanError) as exc:
+    except (ConfigError, ResumeConflict, PlanError, StoreFormatError) as exc:
         print(f"error: {exc}", file=sys.stderr, flush=True)
         return 2
 

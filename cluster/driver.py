@@ -15,7 +15,6 @@
 
 from __future__ import annotations
 
-import logging
 import time
 from collections import Counter
 from dataclasses import dataclass, field
@@ -30,9 +29,6 @@ from cluster.config import JobConfig
 from cluster.job_store import open_or_create
 from cluster.report import ProgressMeter, build_report, format_report
 from cluster.shard_queue import QueueStatus, ShardQueueActor
-from cluster.store import Store
-
-log = logging.getLogger("cluster.driver")
 
 
 def worker_config(config: JobConfig) -> WorkerConfig:
@@ -85,40 +81,48 @@ class Driver:
             ray.init()
         started = time.monotonic()
         store, resumed = open_or_create(self.config, self.say)
-        todo = [sh.index for sh in store.shards if not store.committed()[sh.index]]
-        q = self.config.queue
-        queue = ShardQueueActor.remote(
-            todo, q.lease_s, q.shard_attempts, q.straggler_factor, q.straggler_min_s
-        )
         committed = store.committed()
-        meter = ProgressMeter(
-            total_samples=store.num_samples,
-            total_tokens=int(store.sample_length.sum()),
-            done_samples=sum(
-                sh.sample_end - sh.sample_begin for sh in store.shards if committed[sh.index]
-            ),
-            done_tokens=sum(
-                sh.token_end - sh.token_begin for sh in store.shards if committed[sh.index]
-            ),
-        )
+        todo = [sh for sh in store.shards if not committed[sh.index]]
         self.say(f"{len(todo)} of {len(store.shards)} shards to do")
-        status = self._watch(queue, worker_config(self.config), meter) if todo else None
+        status = None
+        if todo:
+            q = self.config.queue
+            queue = ShardQueueActor.remote(
+                [sh.index for sh in todo],
+                q.lease_s,
+                q.shard_attempts,
+                q.straggler_factor,
+                q.straggler_min_s,
+            )
+            done = [sh for sh in store.shards if committed[sh.index]]
+            meter = ProgressMeter(
+                total_samples=store.num_samples,
+                total_tokens=int(store.sample_length.sum()),
+                done_samples=sum(sh.sample_end - sh.sample_begin for sh in done),
+                done_tokens=sum(sh.token_end - sh.token_begin for sh in done),
+            )
+            try:
+                status = self._watch(queue, worker_config(self.config), meter)
+            finally:
+                ray.kill(queue)
+        summaries = status.summaries if status else {}
         report = build_report(
-            Store.open(self.config.store.url, mode="r+"),
+            store,
             {
                 "store_url": self.config.store.url,
                 "resumed": resumed,
                 "seconds": time.monotonic() - started,
-                "completed": list(status.summaries.values()) if status else [],
+                "completed": list(summaries.values()),
+                # Shards that failed and never completed: given up, or left when no node was.
                 "given_up": {
                     str(k): v
                     for k, v in (status.failures if status else {}).items()
-                    if k not in status.summaries
+                    if k not in summaries
                 },
                 "workers_lost": self.workers_lost,
             },
         )
-        Store.open(self.config.store.url, mode="r+").group.attrs["report"] = report
+        store.group.attrs["report"] = report  # the workers are done: one writer again
         self.say(format_report(report))
         return 0 if report["ok"] else 1
 

@@ -8,7 +8,6 @@ because mixing two jobs' rows in one store would be silent corruption.
 
 from __future__ import annotations
 
-import logging
 import shutil
 from pathlib import Path
 from typing import Any
@@ -19,8 +18,6 @@ from cluster.config import JobConfig
 from cluster.layers import expected_capture
 from cluster.plan import Plan, build_plan, chat_template_text, source_fingerprints
 from cluster.store import Manifest, Store, create_store, make_manifest
-
-log = logging.getLogger("cluster.job_store")
 
 # Manifest fields a resume may differ in: where the model lives is not what it is (its hashes).
 RELOCATABLE = {"model"}

@@ -34,12 +34,9 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
-import shutil
 import sys
-import tempfile
 import time
-import uuid
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -59,7 +56,6 @@ from cluster.store import (
     Shard,
     Store,
     layout,
-    sha256_file,
 )
 
 CHECKS = ("manifest", "arrays", "layout", "commits", "chunks", "values", "recompute")
@@ -133,7 +129,7 @@ class VerifyReport:
         recomputed = self.checked.get("recomputed") or []
         if recomputed:
             lines.append(f"recomputed samples ({len(recomputed)}):")
-            lines += [f"  {_describe_recompute(r)}" for r in recomputed]
+            lines += [f"  {describe_recompute(r)}" for r in recomputed]
         errors = sum(f.level == "error" for f in self.findings)
         warnings = len(self.findings) - errors
         verdict = "UNREADABLE" if self.unreadable else "OK" if self.ok else "FAIL"
@@ -156,7 +152,7 @@ class VerifyReport:
         return "FAIL" if failed else "OK"
 
 
-def _describe_recompute(result: dict[str, Any]) -> str:
+def describe_recompute(result: dict[str, Any]) -> str:
     """One recomputed sample: per hidden array, its min cosine and relative RMS error."""
     parts = [
         f"{name.split('_')[0]} cos {result[name]['min_cosine']:.6f} "
@@ -649,200 +645,6 @@ def row_flags(
     return nonfinite, zero
 
 
-# -- recompute -------------------------------------------------------------------------------
-
-
-def recompute_choice(store: Store, count: int, seed: int) -> list[int]:
-    """`count` seeded random written samples of committed shards, ascending."""
-    status = np.asarray(store.group["sample_status"][:])
-    marks = store.committed()
-    candidates = [
-        i
-        for sh in store.shards
-        if marks[sh.index]
-        for i in range(sh.sample_begin, sh.sample_end)
-        if status[i] == STATUS_WRITTEN
-    ]
-    rng = np.random.default_rng(seed)
-    picked = rng.choice(candidates, size=min(count, len(candidates)), replace=False)
-    return sorted(int(i) for i in picked)
-
-
-def compare_rows(stored: np.ndarray, fresh: Any) -> tuple[float, float]:
-    """(min cosine over rows, relative RMS error) of stored rows against a fresh capture."""
-    import torch
-
-    if stored.dtype == np.uint16:
-        actual = torch.from_numpy(stored.view(np.int16).copy()).view(torch.bfloat16).float()
-    else:
-        actual = torch.from_numpy(np.ascontiguousarray(stored)).float()
-    expected = fresh.float()
-    h = expected.shape[-1]
-    cosine = torch.nn.functional.cosine_similarity(
-        actual.reshape(-1, h), expected.reshape(-1, h), dim=-1
-    )
-    error = (actual - expected).pow(2).mean().sqrt() / expected.pow(2).mean().sqrt()
-    return float(cosine.min()), float(error)
-
-
-@dataclass
-class _Recompute:
-    """Recompute samples on one patched server and compare them with the stored rows."""
-
-    store: Store
-    report: VerifyReport
-    model_path: Path
-    dump_root: Path
-    server_args: list[str]
-    say: Callable[[str], None]
-
-    def model_matches(self) -> bool:
-        m, ok = self.store.manifest, True
-        for file, key in (
-            ("config.json", "model_config_hash"),
-            ("tokenizer.json", "tokenizer_hash"),
-        ):
-            path = self.model_path / file
-            digest = sha256_file(path) if path.exists() else "(missing)"
-            if digest != getattr(m, key):
-                self.report.error(
-                    "recompute",
-                    f"{path}: sha256 {digest[:12]} != the store's {key} {getattr(m, key)[:12]}: "
-                    "not the model that made the store",
-                )
-                ok = False
-        return ok
-
-    @contextlib.contextmanager
-    def server(self, longest: int) -> Iterator[tuple[Any, Path]]:
-        import torch
-
-        from actors.calibration import PROBE_TEXT, calibrate
-        from actors.sglang_server import ServerSpec, SGLangServer
-        from cluster.layers import model_config, requested_layer_ids
-        from patches.settings import CaptureSettings
-
-        m = self.store.manifest
-        on_gpu = torch.cuda.is_available()
-        args = list(self.server_args)
-        if not any(a == "--dtype" or a.startswith("--dtype=") for a in args):
-            args += ["--dtype", m.dtype]
-        work = Path(tempfile.mkdtemp(prefix="hsx-verify-", dir=self.dump_root))
-        spec = ServerSpec(
-            model_path=self.model_path,
-            capture=CaptureSettings(
-                work / "dumps", "hsx-", 2 << 30, mla_cpu_fix=True, max_tokens=m.max_length
-            ),
-            aux_layer_ids=requested_layer_ids(model_config(self.model_path), m.layer_ids),
-            tp_size=torch.cuda.device_count() if on_gpu else 1,
-            max_total_tokens=None if on_gpu else max(8192, longest + 64),
-            extra_args=args,
-        )
-        server = SGLangServer(spec, work / "server.log")
-        try:
-            self.say(f"recompute: starting SGLang on {self.model_path} ({' '.join(args)})")
-            server.start(timeout=900)
-            probe = self.tokenizer()(PROBE_TEXT)["input_ids"]
-            calibrate(server.url, work / "dumps", m, probe, "hsx-")  # same fields as a worker
-            yield server, work / "dumps"
-        finally:
-            server.stop()
-            shutil.rmtree(work, ignore_errors=True)
-
-    def tokenizer(self) -> Any:
-        from transformers import AutoTokenizer
-
-        trust = "--trust-remote-code" in self.server_args
-        return AutoTokenizer.from_pretrained(self.model_path, trust_remote_code=trust)
-
-    def run(self, samples: list[int]) -> None:
-        longest = max(int(self.store.sample_length[i]) for i in samples)
-        results: list[dict[str, Any]] = []
-        self.report.checked["recomputed"] = results
-        with self.server(longest) as (server, _):
-            for i in samples:
-                try:
-                    results.append(self.one(server.url, i))
-                except Exception as exc:
-                    self.report.error(
-                        "recompute",
-                        f"sample {self.label(i)}: recompute failed: {type(exc).__name__}: {exc}",
-                    )
-                    if not server.alive():
-                        self.report.error("recompute", "the SGLang server died; stopping")
-                        break
-
-    def label(self, i: int) -> str:
-        return f"{i} ({self.store.group['sample_id'][i]})"
-
-    def one(self, url: str, i: int) -> dict[str, Any]:
-        from actors.capture_client import generate_and_capture, wait_for_dump
-        from patches.dump_files import read_dump, release_dump
-
-        g, rows = self.store.group, self.store.sample_rows(i)
-        ids = np.asarray(g["input_ids"][rows]).astype(np.int64)
-        rid = f"hsx-verify-s{i}-{uuid.uuid4().hex[:8]}"
-        response = generate_and_capture(url, rid, input_ids=ids.tolist())
-        try:
-            tensors, meta = read_dump(wait_for_dump(response.dump_path))
-            if meta.get("rid") != rid or not np.array_equal(tensors["input_ids"].numpy(), ids):
-                raise RuntimeError(f"the dump is not this request's (rid {meta.get('rid')!r})")
-            result: dict[str, Any] = {"sample": i, "sample_id": str(g["sample_id"][i])}
-            for name in HIDDEN_ARRAYS:
-                cos, err = compare_rows(np.asarray(g[name][rows]), tensors[name])
-                result[name] = {"min_cosine": cos, "relative_error": err}
-        finally:
-            release_dump(response.dump_path)
-        result["ok"] = self.judge(i, result)
-        return result
-
-    def judge(self, i: int, result: dict[str, Any]) -> bool:
-        min_cos, max_err = TOLERANCE[self.store.manifest.dtype]
-        ok = True
-        for name in HIDDEN_ARRAYS:
-            cos, err = result[name]["min_cosine"], result[name]["relative_error"]
-            if not (cos >= min_cos and err <= max_err):  # NaN fails too
-                ok = False
-                self.report.error(
-                    "recompute",
-                    f"sample {self.label(i)}: {name} differs from a fresh recompute: min cosine "
-                    f"{cos:.6f} (needs >= {min_cos}), relative RMS error {err:.3%} "
-                    f"(needs <= {max_err:.1%})",
-                )
-        self.say(f"recompute {_describe_recompute({**result, 'ok': ok})}")
-        return ok
-
-
-def _check_recompute(
-    store: Store,
-    report: VerifyReport,
-    model_path: str | None,
-    count: int,
-    seed: int,
-    dump_root: str | None,
-    server_args: Sequence[str],
-    say: Callable[[str], None],
-) -> str | None:
-    if count <= 0 or model_path is None:
-        return "no --model / --recompute"
-    if report.checks.get("commits") != "ran":
-        return "the commit check did not run"
-    samples = recompute_choice(store, count, seed)
-    if not samples:
-        return "no written sample to recompute"
-    shm = Path("/dev/shm")
-    root = Path(dump_root) if dump_root else shm if shm.is_dir() else Path(tempfile.gettempdir())
-    job = _Recompute(store, report, Path(model_path), root, list(server_args), say)
-    if not job.model_matches():
-        return None
-    say(f"recompute: samples {samples} (seed {seed})")
-    try:
-        job.run(samples)
-    except Exception as exc:  # no server, failed calibration, impossible layer ids
-        report.error("recompute", f"cannot recompute: {type(exc).__name__}: {exc}")
-    return None
-
-
 def verify_store(
     url: str | Path,
     *,
@@ -854,6 +656,8 @@ def verify_store(
     say: Callable[[str], None] = print,
 ) -> VerifyReport:
     """Run every check on the store at `url` (read only); see the module docstring."""
+    from cluster.verify_recompute import check_recompute  # imports it back; torch, SGLang
+
     if recompute > 0 and model_path is None:
         raise ValueError("recompute needs model_path (--model)")
     started = time.monotonic()
@@ -873,7 +677,7 @@ def verify_store(
     v.run("values", v.check_values)
     v.run(
         "recompute",
-        lambda: _check_recompute(
+        lambda: check_recompute(
             store, report, model_path, recompute, seed, dump_root, server_args, say
         ),
     )

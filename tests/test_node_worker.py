@@ -21,6 +21,7 @@ from cluster.layers import expected_capture
 from cluster.shard_queue import ShardQueueActor
 from cluster.store import Store, create_store, make_manifest
 from tests.hf_reference import assert_matches, reference_states
+from tests.local_ray import local_ray
 
 pytestmark = pytest.mark.slow
 
@@ -31,17 +32,8 @@ LAYERS = [0, 1, 3]
 
 @pytest.fixture(scope="module")
 def ray_cluster() -> Iterator[None]:
-    ray.init(
-        address="local",
-        num_cpus=2,
-        resources={"sglang_node": 2},
-        include_dashboard=False,
-        log_to_driver=False,
-    )
-    try:
+    with local_ray(2):
         yield
-    finally:
-        ray.shutdown()
 
 
 def plan_store(model_path: Path, url: Path, count: int, per_shard: int) -> Store:

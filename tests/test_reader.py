@@ -30,14 +30,7 @@ def partly_written_store(
     for i in range(sh.sample_begin, sh.sample_end - 1):
         writer.write_sample(i, *(as_input(x, i) for x in sample_bits(i, dtype)))
     writer.abort()
-    sh = store.shards[2]
-    writer = ShardWriter(store, sh)
-    for i in range(sh.sample_begin, sh.sample_end):
-        if i == 9:
-            writer.mark_failed(i, "verification failed")
-        else:
-            writer.write_sample(i, *(as_input(x, i) for x in sample_bits(i, dtype)))
-    writer.commit({})
+    write_shard(store, 2, failed={9: "verification failed"})
     return store, [0, 1, 2, 3, 8, 10]
 
 

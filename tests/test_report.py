@@ -30,22 +30,13 @@ def test_progress_rates_start_with_the_first_written_sample() -> None:
 
 
 def test_the_report_counts_failed_uncommitted_and_rejected_samples(tmp_path) -> None:
-    from actors.shard_writer import ShardWriter
     from cluster.report import build_report, format_report
-    from tests.test_store import as_input, new_store, sample_bits, write_shard
+    from tests.test_store import new_store, write_shard
 
     store = new_store(tmp_path / "s.zarr")  # 3 shards; one plan-time reject
     write_shard(store, 0)
-    sh = store.shards[1]
-    writer = ShardWriter(store, sh)
-    for i in range(sh.sample_begin, sh.sample_end):
-        if i == 5:
-            writer.mark_failed(i, "token ids differ from the plan")
-        else:
-            writer.write_sample(i, *(as_input(x, i) for x in sample_bits(i)))
-    writer.commit(
-        {"worker": "w1", "tokens": 32, "seconds": 2.0, "server_restarts": 1, "samples": 4}
-    )
+    summary = {"worker": "w1", "tokens": 32, "seconds": 2.0, "server_restarts": 1}
+    write_shard(store, 1, failed={5: "token ids differ from the plan"}, summary=summary)
     report = build_report(
         store,
         {

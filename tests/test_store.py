@@ -85,15 +85,26 @@ def as_input(bits: np.ndarray, i: int) -> np.ndarray | torch.Tensor:
     return bits.view(ml_dtypes.bfloat16)
 
 
-def write_shard(store: Store, k: int, order: list[int] | None = None, **kw) -> dict:
+def write_shard(
+    store: Store,
+    k: int,
+    order: list[int] | None = None,
+    failed: dict[int, str] | None = None,
+    summary: dict | None = None,
+    **kw,
+) -> dict:
+    """Write and commit shard k: every sample's bits (in `order`), the `failed` ones marked."""
     shard = store.shards[k]
     writer = ShardWriter(store, shard, **kw)
     samples = list(range(shard.sample_begin, shard.sample_end)) if order is None else order
     dtype = store.manifest.dtype
     for i in samples:
+        if failed and i in failed:
+            writer.mark_failed(i, failed[i])
+            continue
         aux, final = sample_bits(i, dtype)
         writer.write_sample(i, as_input(aux, i), as_input(final, i))
-    return writer.commit({"worker": f"w{k}"})
+    return writer.commit({"worker": f"w{k}", **(summary or {})})
 
 
 def check_rows(store: Store, samples: list[int]) -> None:
@@ -177,13 +188,7 @@ def test_wrong_length_is_refused_naming_the_sample(tmp_path: Path) -> None:
 def test_mark_failed_leaves_zero_rows_and_a_reason(tmp_path: Path) -> None:
     store = new_store(tmp_path / "s.zarr")
     sh = store.shards[1]
-    writer = ShardWriter(store, sh)
-    for i in range(sh.sample_begin, sh.sample_end):
-        if i == 5:
-            writer.mark_failed(i, "token ids differ from the plan")
-        else:
-            writer.write_sample(i, *(as_input(x, i) for x in sample_bits(i)))
-    summary = writer.commit({})
+    summary = write_shard(store, 1, failed={5: "token ids differ from the plan"})
     assert summary["failed"] == {"s5-é": "token ids differ from the plan"}
     assert summary["written"] == 3
     g = store.group

@@ -17,38 +17,23 @@ from actors.shard_writer import ShardWriter
 from cluster.config import parse_config
 from cluster.driver import run_job
 from cluster.layers import requested_layer_ids, resolve_layer_ids
-from cluster.store import SCHEMA_VERSION, Manifest, Store, create_store
+from cluster.store import Manifest, Store, create_store
 from cluster.verify import (
     CHECKS,
     VerifyReport,
     main,
-    recompute_choice,
     verify_store,
 )
+from cluster.verify_recompute import recompute_choice
+from tests.local_ray import local_ray as start_local_ray
+from tests.test_store import LENGTHS, NUM_AUX, H
+from tests.test_store import manifest as store_manifest
 
-H, NUM_AUX, CHUNK, PER_SHARD = 8, 3, 8, 4
-LENGTHS = [5, 1, 13, 8, 3, 20, 2, 7, 9, 16, 4]  # 3 shards: samples 0..3, 4..7, 8..10
 FAILED = {6: "token ids differ from the plan"}  # a failed sample, named in its summary
 
 
 def manifest(dtype: str) -> Manifest:
-    return Manifest(
-        schema_version=SCHEMA_VERSION,
-        model="tiny",
-        model_config_hash="c" * 64,
-        tokenizer_hash="t" * 64,
-        chat_template_hash=None,
-        layer_ids=[2, 4, 5],
-        layer_convention="HF hidden_states[layer_ids[j]]",
-        final_state="post_norm",
-        hidden_size=H,
-        num_aux=NUM_AUX,
-        dtype=dtype,
-        max_length=64,
-        codec={"name": "none"},
-        chunk_tokens=CHUNK,
-        samples_per_shard=PER_SHARD,
-    )
+    return store_manifest(dtype, {"name": "none"})
 
 
 def rows(i: int, dtype: str) -> tuple[np.ndarray, np.ndarray]:
@@ -321,17 +306,8 @@ WORDS = "a draft model learns what the target model would say next at every toke
 
 @pytest.fixture
 def local_ray() -> Iterator[None]:
-    ray.init(
-        address="local",
-        num_cpus=2,
-        resources={"sglang_node": 1},
-        include_dashboard=False,
-        log_to_driver=False,
-    )
-    try:
+    with start_local_ray(1):
         yield
-    finally:
-        ray.shutdown()
 
 
 def run_real_job(model: Path, tmp_path: Path) -> Path:
