@@ -121,7 +121,7 @@ def test_worker_writes_two_shards_matching_reference_and_plan(
 
     assert sorted(s["shard"] for s in summaries) == [0, 1]
     assert all(s["written"] == 5 and not s["failed"] for s in summaries)
-    assert ray.get(queue.status.remote()).done
+    assert ray.get(queue.status.remote()).finished
     store = Store.open(tmp_path / "store.zarr")
     assert_store_matches_reference(store, deepseek_path, [0, 1])
     # The plan's own rows are untouched by the workers.
@@ -167,21 +167,30 @@ def test_worker_whose_lease_is_revoked_stops_writing_and_does_not_commit(
     store = plan_store(deepseek_path, tmp_path / "store.zarr", count=40, per_shard=40)
     queue = ShardQueueActor.remote([0], lease_seconds=60)
     config = worker_config(deepseek_path, tmp_path / "store.zarr", tmp_path, inflight=1)
-    _, run = start_worker(config, queue, written=2)
-    # The shard is revoked and handed to another worker at once (Ray runs one caller's calls
-    # to an actor in order), so this worker cannot lease it again.
+    worker, run = start_worker(config, queue, written=2)
+    # The shard is revoked and handed to another holder at once (Ray runs one caller's calls
+    # to an actor in order), so this worker cannot lease it again; it waits for work.
     queue.revoke.remote(0)
-    assert ray.get(queue.acquire.remote("another-worker")).shard == 0
+    other = ray.get(queue.acquire.remote("another-worker"))
+    assert other.shard == 0
+    deadline = time.monotonic() + 300
+    while ray.get(worker.status.remote())["phase"] != "idle":
+        assert time.monotonic() < deadline, "the worker kept the revoked shard"
+        assert ray.get(queue.heartbeat.remote(other.lease_id))
+        time.sleep(0.2)
 
-    (summary,) = ray.get(run, timeout=600)
-    assert summary["lease_lost"] is True
-    assert summary["written"] < 40
     store = Store.open(tmp_path / "store.zarr")
     assert not store.committed()[0] and store.summary(0) is None
     # Nothing of the samples after the revocation reached the store.
     written_rows = np.asarray(store.group["final_hidden_states"][:]).any(axis=1)
     last = store.sample_rows(store.shards[0].sample_end - 1)
     assert not written_rows[last].any()
+    # The other holder finishes the job: the waiting worker stops.
+    assert ray.get(queue.claim.remote(other.lease_id))
+    assert ray.get(queue.complete.remote(other.lease_id, {}))
+    (summary,) = ray.get(run, timeout=600)
+    assert summary["lease_lost"] is True
+    assert summary["written"] < 40
 
 
 def test_worker_fails_with_the_log_tail_when_the_server_cannot_start(
