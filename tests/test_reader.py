@@ -120,3 +120,25 @@ def test_direct_chunk_reads_equal_zarr_reads_missing_chunks_included(tmp_path: P
         end = int(rng.integers(begin + 1, array.shape[0] + 1))
         np.testing.assert_array_equal(_DirectRows(array).read(begin, end), array[begin:end])
     assert not _DirectRows.applies(new_store(tmp_path / "z.zarr").group["aux_hidden_states"])
+
+
+def test_read_buffers_are_reused_only_once_no_sample_holds_them(tmp_path: Path) -> None:
+    from cluster.reader import _RecycledBuffers
+
+    pool = _RecycledBuffers()
+    first = pool.take((5, 3), np.dtype(np.uint16))
+    held = torch.from_numpy(first[1:3].view(np.int16))  # a sample viewing the buffer
+    second = pool.take((4, 3), np.dtype(np.uint16))
+    assert not np.shares_memory(first, second)
+    del first, second
+    assert not np.shares_memory(pool.take((4, 3), np.dtype(np.uint16)), held.numpy())
+    del held
+    again = pool.take((8, 3), np.dtype(np.uint16))  # room for 8 rows: the first buffer
+    assert any(np.shares_memory(again, b) for b in pool._buffers[:1])
+    # Samples kept while the reader goes on keep their own bits.
+    _, visible = partly_written_store(tmp_path / "s.zarr")
+    kept = list(HiddenStatesIterable(str(tmp_path / "s.zarr"), block_bytes=1))
+    names = plan()[0]
+    for sample in kept:
+        assert_sample_exact(sample, names.index(sample["sample_id"]), "bfloat16")
+    assert len(kept) == len(visible)
