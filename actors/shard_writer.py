@@ -316,8 +316,9 @@ class ShardWriter:
 
     def _write_chunk(self, k: int, aux: np.ndarray, final: np.ndarray, recycle: bool) -> None:
         try:
-            if self._stopped or self._lost or not self.fence.current():
-                self._lost = self._lost or not self.fence.current()
+            if not self.fence.current():
+                self._lost = True
+            if self._stopped or self._lost:
                 return
             if self._spill is not None:
                 np.save(self._spill / f"{k}.a.npy", aux)

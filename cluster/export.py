@@ -100,7 +100,7 @@ import torch
 
 from cluster.layers import model_config, requested_layer_ids
 from cluster.reader import HiddenStatesIterable
-from cluster.store import STATUS_WRITTEN, Manifest, Store, StoreFormatError
+from cluster.store import Manifest, Store, StoreFormatError
 
 Format = Literal["specforge", "speculators"]
 FORMATS: tuple[str, ...] = ("specforge", "speculators")
@@ -155,9 +155,8 @@ def export(
             say(f"export: note: {note}")
         if fmt == "speculators":
             _write_dataset(out, store, say)
-        # The reader's snapshot first, ours after it: ours can only hold more samples.
         reader = HiddenStatesIterable(url, rank=0, world_size=1)
-        visible = _visible(store)
+        visible = reader.sample_indices
         exported = skipped = written = 0
         made: set[Path] = set()  # directories written into, fsynced at the end
         if all(sample_path(out, fmt, int(i)).exists() for i in visible):
@@ -549,17 +548,6 @@ def _exclusive(out: Path) -> Iterator[None]:
 
 
 # ---- the store -----------------------------------------------------------------------------
-
-
-def _visible(store: Store) -> np.ndarray:
-    """Global indices of the committed, written samples, as the reader selects them."""
-    committed = store.committed()
-    status = np.asarray(store.group["sample_status"][:])
-    spans = [
-        np.arange(sh.sample_begin, sh.sample_end) for sh in store.shards if committed[sh.index]
-    ]
-    index = np.concatenate(spans) if spans else np.empty(0, np.int64)
-    return index[status[index] == STATUS_WRITTEN]
 
 
 def _normal_url(url: str) -> str:

@@ -16,7 +16,7 @@ import zarr.errors
 
 from cluster.config import JobConfig
 from cluster.layers import expected_capture
-from cluster.plan import Plan, build_plan, chat_template_text, source_fingerprints
+from cluster.plan import Plan, build_plan, chat_template_text, source_hashes
 from cluster.store import Manifest, Store, create_store, make_manifest
 
 # Manifest fields a resume may differ in: where the model lives is not what it is (its hashes).
@@ -27,10 +27,10 @@ class ResumeConflict(ValueError):
     """The store exists but was made by a different job; the message names every difference."""
 
 
-def job_spec(config: JobConfig, sources: list[dict[str, Any]]) -> dict[str, Any]:
+def job_spec(config: JobConfig, sources_sha256: list[str]) -> dict[str, Any]:
     """What the plan is made from, besides the manifest: stored as the store's `job` attr."""
     data = config.data.model_dump(exclude={"paths", "max_length"})
-    return {"sources_sha256": [s["sha256"] for s in sources], **data}
+    return {"sources_sha256": sources_sha256, **data}
 
 
 def manifest_for(config: JobConfig, chat_template: str | None) -> Manifest:
@@ -118,7 +118,7 @@ def open_or_create(config: JobConfig, say: Any = print) -> tuple[Store, bool]:
         plan.input_ids,
         plan.loss_masks,
         rejected=plan.rejected,
-        job=job_spec(config, plan.sources),
+        job=job_spec(config, [s["sha256"] for s in plan.sources]),
     )
     return store, False
 
@@ -132,7 +132,7 @@ def check_resume(store: Store, config: JobConfig) -> None:
         for key in wanted.to_json()
         if key not in RELOCATABLE and getattr(stored, key) != getattr(wanted, key)
     ]
-    spec = job_spec(config, source_fingerprints(config.data))
+    spec = job_spec(config, source_hashes(config.data))
     problems += [
         f"data.{key}: store {store.job.get(key)!r} != config {value!r}"
         for key, value in spec.items()

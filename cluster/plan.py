@@ -2,7 +2,7 @@
 
     plan = build_plan(config.data, config.model.path)
 
-`source_fingerprints(data)` and `chat_template_text(data, model_path)` give `plan.sources` and
+`source_hashes(data)` and `chat_template_text(data, model_path)` give the sources' sha256 and
 `plan.chat_template` without planning, for resume checks.
 
 Nothing here raises for a bad row: every row is either accepted (`plan.sample_ids`,
@@ -240,31 +240,19 @@ def _read_sources(
 
 
 def _source_record(path: Path, fmt: str, rows: int) -> dict[str, Any]:
-    digest = _sha256_dir(path) if path.is_dir() else _sha256_file(path)
-    return {"path": str(path), "format": fmt, "sha256": digest, "rows": rows}
+    return {"path": str(path), "format": fmt, "sha256": _sha256(path), "rows": rows}
 
 
-def source_fingerprints(data: DataConfig) -> list[dict[str, Any]]:
-    """`plan.sources` without planning (no tokenizing): what a resume compares with the job."""
-    records = []
-    for path, fmt in (_resolve_source(p, data.format) for p in data.paths):
+def source_hashes(data: DataConfig) -> list[str]:
+    """The sha256 of each input (`plan.sources`' `sha256`) without planning: what a resume
+    compares with the job that made the store."""
+    hashes = []
+    for path, _ in (_resolve_source(p, data.format) for p in data.paths):
         try:
-            records.append(_source_record(path, fmt, _count_rows(path, fmt, data)))
-        except (OSError, pa.ArrowException) as exc:
+            hashes.append(_sha256(path))
+        except OSError as exc:
             raise PlanError(f"cannot read {path}: {exc}") from exc
-    return records
-
-
-def _count_rows(path: Path, fmt: str, data: DataConfig) -> int:
-    """The rows the readers below yield, counted cheaply (no JSON parsing)."""
-    if fmt == "jsonl":
-        with path.open("rb") as f:
-            return sum(1 for line in f if line.strip())
-    if fmt == "parquet":
-        import pyarrow.parquet as pq
-
-        return pq.ParquetFile(path).metadata.num_rows
-    return len(_load_hf(path, data))
+    return hashes
 
 
 def _read_jsonl(path: Path, data: DataConfig) -> Iterator[_RawRow]:
@@ -333,6 +321,11 @@ def _read_hf(path: Path, data: DataConfig) -> Iterator[_RawRow]:
 def _sha256_file(path: Path) -> str:
     with path.open("rb") as f:
         return hashlib.file_digest(f, "sha256").hexdigest()
+
+
+def _sha256(path: Path) -> str:
+    """Of a file's bytes; of a dataset directory, of every file in it by relative path."""
+    return _sha256_dir(path) if path.is_dir() else _sha256_file(path)
 
 
 def _sha256_dir(path: Path) -> str:

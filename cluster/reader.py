@@ -177,6 +177,11 @@ class HiddenStatesDataset(Dataset):
     def manifest(self) -> Manifest:
         return self._view.manifest
 
+    @property
+    def sample_indices(self) -> np.ndarray:
+        """Store indices of the visible samples, ascending (item k of the Dataset is the k-th)."""
+        return self._view.visible
+
     def __len__(self) -> int:
         return len(self._view.visible)
 
@@ -216,6 +221,11 @@ class HiddenStatesIterable(IterableDataset):
     @property
     def manifest(self) -> Manifest:
         return self._view.manifest
+
+    @property
+    def sample_indices(self) -> np.ndarray:
+        """Store indices of the visible samples, ascending (item k of the Dataset is the k-th)."""
+        return self._view.visible
 
     def set_epoch(self, epoch: int) -> None:
         self.epoch = epoch

@@ -4,6 +4,7 @@ independent HF reference, bad rows rejected, a killed worker, a killed driver an
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import signal
@@ -98,9 +99,14 @@ def job_config(model: Path, data: Path, store: Path, tmp_path: Path) -> dict[str
     }
 
 
+@functools.cache
+def tokenizer_of(model: Path) -> Any:
+    return AutoTokenizer.from_pretrained(model)
+
+
 def expected_ids(model: Path, row: dict[str, Any]) -> list[int]:
     """The row's tokens, computed here independently of the plan."""
-    tokenizer = AutoTokenizer.from_pretrained(model)
+    tokenizer = tokenizer_of(model)
     if "text" in row:
         return tokenizer(row["text"])["input_ids"]
     return list(

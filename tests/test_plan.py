@@ -20,7 +20,7 @@ from cluster.plan import (
     PlanError,
     build_plan,
     chat_template_text,
-    source_fingerprints,
+    source_hashes,
 )
 
 ASSISTANT_END = "<|im_end|>"  # the tiny template's generation blocks end with it
@@ -79,7 +79,7 @@ def plan_for(path: Path | list[Path], model: Path, **data: Any) -> Plan:
     paths = [str(p) for p in (path if isinstance(path, list) else [path])]
     config = DataConfig(paths=paths, **data)
     plan = build_plan(config, model)
-    assert source_fingerprints(config) == plan.sources
+    assert source_hashes(config) == [s["sha256"] for s in plan.sources]
     assert chat_template_text(config, model) == plan.chat_template
     return plan
 
