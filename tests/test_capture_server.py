@@ -18,7 +18,13 @@ from actors.capture_client import CaptureResponse, generate_and_capture, wait_fo
 from actors.sglang_server import ServerSpec, SGLangServer
 from patches.dump_files import read_dump
 from patches.settings import META_INFO_KEY, CaptureSettings
-from tests.hf_reference import Reference, assert_matches, reference_states, relative_error
+from tests.hf_reference import (
+    TOLERANCE,
+    Reference,
+    assert_matches,
+    reference_states,
+    relative_error,
+)
 
 pytestmark = pytest.mark.slow
 
@@ -30,15 +36,6 @@ class Case:
     expected_layer_ids: list[int]  # the HF hidden_states indices it must resolve them to
     dtype: str
     chunked_prefill_size: int  # small, so prompts are split into fragments under batching
-
-    @property
-    def min_cosine(self) -> float:
-        return 0.999 if self.dtype == "bfloat16" else 0.99999
-
-    @property
-    def max_relative_error(self) -> float:
-        # bf16 serving vs a float32 reference on the same weights; float32 vs float32.
-        return 0.02 if self.dtype == "bfloat16" else 1e-3
 
 
 # Llama adds 1 to explicit ids and defaults to [2, L//2, L-3]; DeepSeek takes ids as given
@@ -125,14 +122,15 @@ def dump_entries(dump_dir: Path) -> list[str]:
     return sorted(p.name for p in dump_dir.iterdir())
 
 
-def assert_matches_reference(case: Case, tensors: dict, reference: Reference, what: str) -> None:
-    aux, final = tensors["aux_hidden_states"], tensors["final_hidden_states"]
-    assert_matches(
-        reference,
-        aux,
-        final,
-        min_cos=case.min_cosine,
-        max_error=case.max_relative_error,
+def assert_matches_reference(capturing: CapturingServer, tensors: dict, what: str) -> Reference:
+    case = capturing.case
+    return assert_matches(
+        capturing.model_path,
+        tensors["input_ids"].tolist(),
+        case.expected_layer_ids,
+        tensors["aux_hidden_states"],
+        tensors["final_hidden_states"],
+        **TOLERANCE[case.dtype],
         what=what,
     )
 
@@ -155,12 +153,11 @@ def test_batched_dumps_match_hf_reference_per_prompt(capturing: CapturingServer)
         aux = tensors["aux_hidden_states"]
         assert aux.shape == (len(ids), len(capturing.case.expected_layer_ids), meta["hidden_size"])
 
-        assert_matches_reference(capturing.case, tensors, references[i], f"prompt {i}")
-        ref_aux = references[i].aux
+        matched = assert_matches_reference(capturing, tensors, f"prompt {i}")
 
         # Misalignment is caught, not just shape: this dump is far closer to its own
         # prompt's reference than to any other prompt's (on the rows they share).
-        own = relative_error(aux, ref_aux)
+        own = relative_error(aux, matched.aux)
         for j, other in enumerate(references):
             n = min(len(ids), len(other.aux))
             if j != i and batch[j][:n] != ids[:n]:
@@ -180,8 +177,7 @@ def test_prompt_longer_than_chunked_prefill_is_one_correct_dump(
     response = generate_and_capture(capturing.server.url, "hsx-long", input_ids=ids)
     tensors, meta = read_dump(wait_for_dump(response.dump_path))
     assert meta["num_tokens"] == len(ids) and tensors["input_ids"].tolist() == ids
-    reference = reference_states(capturing.model_path, ids, capturing.case.expected_layer_ids)
-    assert_matches_reference(capturing.case, tensors, reference, "long prompt")
+    assert_matches_reference(capturing, tensors, "long prompt")
 
 
 def test_warmup_health_and_foreign_requests_leave_no_dump(capturing: CapturingServer) -> None:

@@ -20,7 +20,7 @@ from actors.sglang_server import ServerError
 from cluster.layers import expected_capture
 from cluster.shard_queue import ShardQueueActor
 from cluster.store import Store, create_store, make_manifest
-from tests.hf_reference import assert_matches, reference_states
+from tests.hf_reference import TOLERANCE, assert_matches
 from tests.local_ray import local_ray
 
 pytestmark = pytest.mark.slow
@@ -36,11 +36,11 @@ def ray_cluster() -> Iterator[None]:
         yield
 
 
-def plan_store(model_path: Path, url: Path, count: int, per_shard: int) -> Store:
-    """A minimal plan: chat prompts of varied lengths, loss mask over assistant tokens."""
+def chat_prompts(model_path: Path, count: int) -> tuple[list[np.ndarray], list[np.ndarray]]:
+    """Chat prompts of varied lengths (token ids, loss mask over assistant tokens)."""
     tokenizer = AutoTokenizer.from_pretrained(model_path)
     words = "a draft model learns what the target model would say next at every token".split()
-    ids, masks, names = [], [], []
+    ids, masks = [], []
     for i in range(count):
         question = " ".join(words[(i * 3 + k) % len(words)] for k in range(4 + (i * 11) % 40))
         messages = [
@@ -52,7 +52,13 @@ def plan_store(model_path: Path, url: Path, count: int, per_shard: int) -> Store
         )
         ids.append(np.array(out["input_ids"], np.int32))
         masks.append(np.array(out["assistant_masks"], np.uint8))
-        names.append(f"sample-{i}")
+    return ids, masks
+
+
+def plan_store(model_path: Path, url: Path, count: int, per_shard: int) -> Store:
+    """A minimal plan over `chat_prompts`."""
+    ids, masks = chat_prompts(model_path, count)
+    names = [f"sample-{i}" for i in range(count)]
     manifest = make_manifest(
         str(model_path),
         model_path,
@@ -100,11 +106,40 @@ def assert_store_matches_reference(store: Store, model_path: Path, shards: list[
             ids = g["input_ids"][rows].tolist()
             aux = torch.from_numpy(np.asarray(g["aux_hidden_states"][rows]))
             final = torch.from_numpy(np.asarray(g["final_hidden_states"][rows]))
-            reference = reference_states(model_path, ids, store.manifest.layer_ids)
             assert_matches(
-                reference, aux, final, min_cos=0.99999, max_error=1e-3, what=f"sample {i}"
+                model_path,
+                ids,
+                store.manifest.layer_ids,
+                aux,
+                final,
+                **TOLERANCE[DTYPE],
+                what=f"sample {i}",
             )
         assert (g["sample_status"][shard.sample_begin : shard.sample_end] == 1).all()
+
+
+def assert_misaligned_rows_fail(store: Store, model_path: Path, i: int) -> None:
+    """The comparison can fail on this store: sample i's rows read one token late, and the
+    next sample's rows taken for sample i's (i and i + 1 in the same shard)."""
+    g = store.group
+    rows, theirs = store.sample_rows(i), store.sample_rows(i + 1)
+    ids = g["input_ids"][rows].tolist()
+    n = min(rows.stop - rows.start, theirs.stop - theirs.start)
+    late = slice(rows.start - 1, rows.stop - 1)
+    swapped = slice(theirs.start, theirs.start + n)
+    for what, ids_, at in (("late", ids, late), ("swapped", ids[:n], swapped)):
+        aux = torch.from_numpy(np.asarray(g["aux_hidden_states"][at]))
+        final = torch.from_numpy(np.asarray(g["final_hidden_states"][at]))
+        with pytest.raises(AssertionError, match=f"{what}: aux differs"):
+            assert_matches(
+                model_path,
+                ids_,
+                store.manifest.layer_ids,
+                aux,
+                final,
+                **TOLERANCE[DTYPE],
+                what=what,
+            )
 
 
 def test_worker_writes_two_shards_matching_reference_and_plan(
@@ -124,6 +159,7 @@ def test_worker_writes_two_shards_matching_reference_and_plan(
     assert ray.get(queue.status.remote()).finished
     store = Store.open(tmp_path / "store.zarr")
     assert_store_matches_reference(store, deepseek_path, [0, 1])
+    assert_misaligned_rows_fail(store, deepseek_path, 2)
     # The plan's own rows are untouched by the workers.
     assert np.array_equal(store.group["input_ids"][:], planned_ids)
     assert np.array_equal(store.group["loss_mask"][:], planned_mask)
