@@ -12,7 +12,7 @@ import numpy as np
 import torch
 
 from actors.calibration import Calibration
-from cluster.store import Manifest
+from store.format import Manifest
 
 
 class DumpMismatch(ValueError):

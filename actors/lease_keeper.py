@@ -11,11 +11,18 @@ import threading
 import time
 from collections.abc import Callable
 from contextlib import contextmanager
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 import ray
 
-from cluster.shard_queue import Lease
+
+@dataclass(frozen=True)
+class Lease:
+    lease_id: str
+    shard: int
+    worker: str
+    deferred: bool = False  # write rows only after a successful claim (see the module doc)
 
 
 class LeaseLost(RuntimeError):

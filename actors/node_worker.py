@@ -39,14 +39,13 @@ from actors.capture_client import (
     wait_for_dump,
 )
 from actors.dump_verify import DumpMismatch, verify_dump
-from actors.lease_keeper import LeaseKeeper, LeaseLost, ray_caller
+from actors.lease_keeper import Lease, LeaseKeeper, LeaseLost, ray_caller
 from actors.sglang_server import ServerError, ServerSpec, SGLangServer
 from actors.shard_writer import ShardWriter
 from actors.worker_metrics import WorkerMetrics
-from cluster.shard_queue import Lease
-from cluster.store import Store
 from patches.dump_files import read_dump, release_dump
 from patches.settings import CaptureSettings
+from store.format import Store
 
 
 @dataclass(frozen=True)

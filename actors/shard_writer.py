@@ -1,6 +1,6 @@
 """Writes one leased work shard's hidden-state rows into the store (worker side).
 
-The rules it keeps (cluster/store.py): whole chunks only, one writer per chunk, the commit marker
+The rules it keeps (store/format.py): whole chunks only, one writer per chunk, the commit marker
 last, nothing written once the lease is lost. Every store write goes through the lease's write
 fence (actors/lease_keeper.py); a deferred lease's chunks wait in a local spill directory until
 its claim on the shard wins, and are written then.
@@ -22,7 +22,7 @@ import numpy as np
 import torch
 
 from actors.lease_keeper import LeaseLost, Unfenced, WriteFence
-from cluster.store import STATUS_FAILED, STATUS_PLANNED, STATUS_WRITTEN, Shard, Store
+from store.format import STATUS_FAILED, STATUS_PLANNED, STATUS_WRITTEN, Shard, Store
 
 
 def _as_stored(x: np.ndarray | torch.Tensor, dtype: str, what: str) -> np.ndarray:

@@ -32,8 +32,8 @@ import numpy as np
 
 from actors.shard_writer import ShardWriter
 from benchmarks.writer_vs_tofile import make_samples
-from cluster.reader import HiddenStatesIterable
-from cluster.store import DEFAULT_CODEC, create_store, make_manifest
+from store.format import DEFAULT_CODEC, create_store, make_manifest
+from store.reader import HiddenStatesIterable
 
 TARGET = 0.8
 

@@ -26,10 +26,10 @@ import torch
 
 from actors.node_worker import NodeWorker, WorkerConfig
 from actors.sglang_server import ServerSpec, SGLangServer
-from cluster.layers import expected_capture
 from cluster.shard_queue import ShardQueueActor
-from cluster.store import create_store, make_manifest
 from patches.settings import CaptureSettings
+from store.format import create_store, make_manifest
+from store.layers import expected_capture
 from tools.tiny_models import ensure_models
 
 TARGET = 0.85

@@ -9,7 +9,7 @@
 
 The data is synthetic but compresses like real bf16 activations: a float32 gaussian scaled per
 channel (log-normal scales), rounded to bf16: sign/exponent bytes compress, mantissas do not.
---sweep prints the table that chose the defaults in cluster/store.py (codec x chunk x threads).
+--sweep prints the table that chose the defaults in store/format.py (codec x chunk x threads).
 
     make bench BENCH=writer_vs_tofile
     .venv/bin/python -m benchmarks.writer_vs_tofile --sweep --shm
@@ -28,7 +28,7 @@ import numpy as np
 import torch
 
 from actors.shard_writer import ShardWriter
-from cluster.store import (
+from store.format import (
     DEFAULT_CODEC,
     SCHEMA_VERSION,
     Manifest,

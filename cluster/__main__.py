@@ -6,7 +6,7 @@ python -m cluster run --config JOB.yaml [--set section.field=value ...]
 python -m cluster verify --store URL [--model PATH --recompute N]
     check a store's integrity (cluster/verify.py); exit 0 ok, 1 problems, 2 unreadable
 python -m cluster export --store URL --format {specforge,speculators} --out DIR
-    write the committed samples in a trainer's offline format (cluster/export.py)
+    write the committed samples in a trainer's offline format (store/export.py)
 """
 
 from __future__ import annotations
@@ -20,9 +20,9 @@ import sys
 from cluster.config import ConfigError, load_config
 from cluster.job_store import ResumeConflict
 from cluster.plan import PlanError
-from cluster.store import StoreFormatError
+from store.format import StoreFormatError
 
-DELEGATED = ("verify", "export")
+DELEGATED = {"verify": "cluster.verify", "export": "store.export"}  # own argument parsers
 SHORTCUTS = {  # --model X is --set model.path=X, and so on
     "model": "model.path",
     "data": "data.paths",
@@ -56,7 +56,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv and argv[0] in DELEGATED:  # commands with their own argument parsers
-        return importlib.import_module(f"cluster.{argv[0]}").main(argv[1:])
+        return importlib.import_module(DELEGATED[argv[0]]).main(argv[1:])
     args = parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     overrides = list(args.overrides)

@@ -15,9 +15,9 @@ from typing import Any
 import zarr.errors
 
 from cluster.config import JobConfig
-from cluster.layers import expected_capture
 from cluster.plan import Plan, build_plan, chat_template_text, source_hashes
-from cluster.store import Manifest, Store, create_store, make_manifest
+from store.format import Manifest, Store, StoreIncomplete, create_store, make_manifest
+from store.layers import expected_capture
 
 # Manifest fields a resume may differ in: where the model lives is not what it is (its hashes).
 RELOCATABLE = {"model"}
@@ -94,10 +94,14 @@ def open_or_create(config: JobConfig, say: Any = print) -> tuple[Store, bool]:
     """The job's store and whether it was resumed. Planning (and the storage estimate) happens
     here, before any server starts."""
     url = config.store.url
+    interrupted = False
     try:
         store = Store.open(url, mode="r+")
     except (FileNotFoundError, zarr.errors.GroupNotFoundError, zarr.errors.NodeTypeValidationError):
         store = None
+    except StoreIncomplete:  # only a driver writes before `created`: nothing to keep
+        store, interrupted = None, True
+        say(f"{url}: an earlier creation was interrupted; creating the store anew")
     if store is not None:
         check_resume(store, config)
         done = int(store.committed().sum())
@@ -119,6 +123,7 @@ def open_or_create(config: JobConfig, say: Any = print) -> tuple[Store, bool]:
         plan.loss_masks,
         rejected=plan.rejected,
         job=job_spec(config, [s["sha256"] for s in plan.sources]),
+        overwrite=interrupted,
     )
     return store, False
 

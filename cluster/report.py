@@ -14,7 +14,7 @@ from typing import Any
 
 import numpy as np
 
-from cluster.store import STATUS_WRITTEN, Store
+from store.format import STATUS_WRITTEN, Store
 
 
 def _duration(seconds: float) -> str:

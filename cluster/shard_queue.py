@@ -31,13 +31,7 @@ from typing import Any
 
 import ray
 
-
-@dataclass(frozen=True)
-class Lease:
-    lease_id: str
-    shard: int
-    worker: str
-    deferred: bool = False  # write rows only after a successful claim (see the module doc)
+from actors.lease_keeper import Lease
 
 
 @dataclass

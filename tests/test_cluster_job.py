@@ -26,7 +26,7 @@ from transformers import AutoTokenizer
 from cluster.__main__ import main as cli_main
 from cluster.config import JobConfig, parse_config
 from cluster.driver import Driver, run_job
-from cluster.store import Store
+from store.format import Store
 from tests.test_node_worker import assert_store_matches_reference
 
 pytestmark = pytest.mark.slow

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import requests
 
-from cluster.store import Store
+from store.format import Store
 from tools import demo
 
 pytestmark = pytest.mark.slow

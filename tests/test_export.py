@@ -15,7 +15,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file
 
-from cluster.export import (
+from store.export import (
     ExportConflict,
     ExportError,
     _exclusive,
@@ -24,7 +24,7 @@ from cluster.export import (
     read_exported,
     sample_path,
 )
-from cluster.reader import HiddenStatesDataset, HiddenStatesIterable
+from store.reader import HiddenStatesDataset, HiddenStatesIterable
 from tests.test_reader import assert_sample_exact, partly_written_store
 from tests.test_store import NUM_AUX, H, new_store, plan
 
@@ -261,9 +261,9 @@ def test_cli_exits_0_on_success_and_1_on_errors(
 
 def test_specforge_layer_ids_follow_the_model_family(deepseek_path: Path, llama_path: Path) -> None:
     """SpecForge is told the ids SGLang is asked for: Llama adds 1, DeepSeek takes them as given."""
-    from cluster.export import _specforge_layers
-    from cluster.layers import expected_capture
-    from cluster.store import make_manifest
+    from store.export import _specforge_layers
+    from store.format import make_manifest
+    from store.layers import expected_capture
 
     for path, requested in ((deepseek_path, [0, 1, 3]), (llama_path, [0, 3, 6])):
         capture = expected_capture(path, requested, "bfloat16")

@@ -17,9 +17,9 @@ from transformers import AutoTokenizer
 from actors.calibration import CalibrationError
 from actors.node_worker import NodeWorker, WorkerConfig
 from actors.sglang_server import ServerError
-from cluster.layers import expected_capture
 from cluster.shard_queue import ShardQueueActor
-from cluster.store import Store, create_store, make_manifest
+from store.format import Store, create_store, make_manifest
+from store.layers import expected_capture
 from tests.hf_reference import TOLERANCE, assert_matches
 from tests.local_ray import local_ray
 

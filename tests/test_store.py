@@ -14,16 +14,18 @@ import zarr
 from actors.lease_keeper import LeaseKeeper, LeaseLost
 from actors.shard_writer import ShardWriter
 from cluster.shard_queue import ShardQueue
-from cluster.store import (
+from store.format import (
     BF16_ATTR,
     SCHEMA_VERSION,
     Manifest,
     Store,
     StoreFormatError,
+    StoreIncomplete,
     create_store,
     layout,
     make_manifest,
 )
+from store.verify import verify_store
 
 H, NUM_AUX, CHUNK, PER_SHARD = 8, 3, 8, 4
 LENGTHS = [5, 1, 13, 8, 3, 20, 2, 7, 9, 16, 4]  # 11 samples: 3 shards, the last one short
@@ -334,8 +336,9 @@ def test_rewriting_a_committed_shard_gives_the_same_bits(tmp_path: Path) -> None
 
 def test_wrong_schema_version_is_refused_clearly(tmp_path: Path) -> None:
     store = new_store(tmp_path / "s.zarr")
-    store.group.attrs["manifest"] = {**store.manifest.to_json(), "schema_version": 2}
-    with pytest.raises(StoreFormatError, match="schema version 2 is not supported"):
+    newer = SCHEMA_VERSION + 1
+    store.group.attrs["manifest"] = {**store.manifest.to_json(), "schema_version": newer}
+    with pytest.raises(StoreFormatError, match=f"schema version {newer} is not supported"):
         Store.open(tmp_path / "s.zarr")
     with pytest.raises(StoreFormatError, match="unknown \\['extra'\\]"):
         Manifest.from_json({**manifest().to_json(), "extra": 1})
@@ -344,6 +347,41 @@ def test_wrong_schema_version_is_refused_clearly(tmp_path: Path) -> None:
         Store.open(tmp_path / "other.zarr")
     with pytest.raises(zarr.errors.ContainsGroupError):  # creation never clobbers a store
         new_store(tmp_path / "s.zarr")
+
+
+class DriverKilled(Exception):
+    pass
+
+
+class DiesAtSample(list):
+    """Plan rows whose driver dies when it reaches sample `at` (mid-creation)."""
+
+    def __init__(self, rows: list[np.ndarray], at: int) -> None:
+        super().__init__(rows)
+        self.at = at
+
+    def __getitem__(self, i):
+        if i == self.at:
+            raise DriverKilled
+        return super().__getitem__(i)
+
+
+def test_an_interrupted_creation_is_never_opened_as_a_plan(tmp_path: Path) -> None:
+    names, ids, masks = plan()
+    with pytest.raises(DriverKilled):  # shards 0 and 1 are written, shard 2's rows are not
+        create_store(tmp_path / "s.zarr", manifest(), names, DiesAtSample(ids, 8), masks)
+
+    with pytest.raises(StoreIncomplete, match="creation was interrupted"):
+        Store.open(tmp_path / "s.zarr", mode="r+")
+    report = verify_store(tmp_path / "s.zarr", say=lambda _: None)
+    assert report.exit_code == 2 and "creation was interrupted" in report.format()
+    with pytest.raises(zarr.errors.ContainsGroupError):
+        create_store(tmp_path / "s.zarr", manifest(), names, ids, masks)
+
+    create_store(tmp_path / "s.zarr", manifest(), names, ids, masks, overwrite=True)
+    store = Store.open(tmp_path / "s.zarr")
+    for i in range(len(LENGTHS)):
+        assert np.array_equal(store.group["input_ids"][store.sample_rows(i)], ids[i])
 
 
 def test_make_manifest_hashes_the_model_and_picks_the_chunking(tmp_path: Path) -> None:

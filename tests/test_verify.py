@@ -16,15 +16,11 @@ import zarr
 from actors.shard_writer import ShardWriter
 from cluster.config import parse_config
 from cluster.driver import run_job
-from cluster.layers import requested_layer_ids, resolve_layer_ids
-from cluster.store import Manifest, Store, create_store
-from cluster.verify import (
-    CHECKS,
-    VerifyReport,
-    main,
-    verify_store,
-)
-from cluster.verify_recompute import recompute_choice
+from cluster.verify import main, recompute_choice
+from cluster.verify import verify as verify_command
+from store.format import Manifest, Store, create_store
+from store.layers import requested_layer_ids, resolve_layer_ids
+from store.verify import CHECKS, VerifyReport
 from tests.local_ray import local_ray as start_local_ray
 from tests.test_store import LENGTHS, NUM_AUX, H
 from tests.test_store import manifest as store_manifest
@@ -66,7 +62,7 @@ def build_store(path: Path, dtype: str = "bfloat16", shards: tuple[int, ...] = (
 
 
 def verify(path: Path, **kw) -> VerifyReport:
-    report = verify_store(path, say=lambda _: None, **kw)
+    report = verify_command(path, say=lambda _: None, **kw)
     print(report.format())
     return report
 
@@ -120,6 +116,18 @@ def test_a_removed_chunk_is_named_with_its_array_and_samples(tmp_path: Path) -> 
     ]
     assert check_lines(report)["chunks"] == "FAIL" and check_lines(report)["arrays"] == "OK"
     assert main(["--store", str(path)]) == 1
+
+
+def test_plan_rows_changed_after_creation_are_named_with_their_shard(tmp_path: Path) -> None:
+    path = build_store(tmp_path / "s.zarr")
+    zarr.open_group(path, mode="r+")["input_ids"][0:5] = 0  # sample 0's prompt, now all zero
+    report = verify(path)
+    [error] = errors(report, "plan")
+    assert error.startswith(
+        "shard 0 (samples 0..3 (s0 .. s3)): input_ids / loss_mask rows are not the plan "
+        "recorded at creation"
+    )
+    assert check_lines(report)["plan"] == "FAIL" and main(["--store", str(path)]) == 1
 
 
 def test_a_chunk_shared_by_samples_names_each(tmp_path: Path) -> None:
@@ -258,7 +266,7 @@ def test_non_finite_values_in_a_written_sample_are_named(tmp_path: Path, dtype: 
 
 
 def test_values_are_read_in_bounded_blocks(tmp_path: Path) -> None:
-    from cluster.verify import row_flags
+    from store.verify import row_flags
 
     path = build_store(tmp_path / "s.zarr")
     arr = zarr.open_group(path, mode="r")["aux_hidden_states"]

@@ -14,6 +14,11 @@ One Zarr v3 group, flat and token-major; sample i owns rows `sample_rows(i)` of 
 | `sample_status` | [N] uint8: 0 planned, 1 written, 2 failed | samples_per_shard | workers |
 | `shard_committed` | [S] uint8: 1 once the shard's rows are complete | 1 | workers |
 | `shard_summary` | [S] string (JSON per shard; "" until committed) | 1 | workers |
+| `shard_plan_sha256` | [S] string: sha256 of the shard's planned ids + mask rows | S | driver |
+
+Creation commits last: the group attribute `created` is written after every array and plan row,
+so a store whose creation was interrupted (no `created`) is never opened as a plan (`Store.open`
+raises `StoreIncomplete`; the driver creates it again, nothing else can have written to it).
 
 Group attributes: `manifest` (`Manifest.to_json()`), `rejected` (plan-time rejects,
 `[{"sample_id", "reason"}]`), `job` (what the plan was made from: data sources and their
@@ -44,7 +49,7 @@ import zarr
 from zarr.codecs import ZstdCodec
 from zarr.storage import StoreLike
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2  # 2: the `created` marker and `shard_plan_sha256`
 BF16_ATTR = {"stored_as": "uint16", "dtype": "bfloat16"}
 # Chosen with benchmarks/writer_vs_tofile.py --sweep (2 cores): zstd level 1 compressed bf16
 # activations only 1.21x and wrote at 0.4-0.6 GB/s against 1.2-1.8 GB/s uncompressed; per-chunk
@@ -66,6 +71,10 @@ HIDDEN_ARRAYS = ("aux_hidden_states", "final_hidden_states")
 
 class StoreFormatError(ValueError):
     """The store is not one this code can read (wrong schema version, not a store, inconsistent)."""
+
+
+class StoreIncomplete(StoreFormatError):
+    """The store's creation was interrupted: its plan rows are not all written."""
 
 
 @dataclass(frozen=True)
@@ -204,6 +213,13 @@ def layout(
     return starts, shards, pos
 
 
+def plan_digest(input_ids: np.ndarray, loss_mask: np.ndarray) -> str:
+    """sha256 of a shard's planned rows (int32 ids, then uint8 mask), as `shard_plan_sha256`."""
+    digest = hashlib.sha256(np.ascontiguousarray(input_ids, np.int32).tobytes())
+    digest.update(np.ascontiguousarray(loss_mask, np.uint8).tobytes())
+    return digest.hexdigest()
+
+
 def _compressors(codec: Mapping[str, Any]) -> list[ZstdCodec] | None:
     return [ZstdCodec(level=int(codec.get("level", 1)))] if codec["name"] == "zstd" else None
 
@@ -216,10 +232,12 @@ def create_store(
     loss_masks: Sequence[np.ndarray],
     rejected: Sequence[Mapping[str, str]] = (),
     job: Mapping[str, Any] | None = None,
+    overwrite: bool = False,
 ) -> Store:
-    """The driver's one-time creation of every array and attribute, and the plan's own rows.
-    `job`: what the plan was made from, kept for resume checks. Fails if something already
-    exists there (resume opens the store instead)."""
+    """The driver's one-time creation of every array and attribute, and the plan's own rows;
+    the `created` marker last. `job`: what the plan was made from, kept for resume checks.
+    Fails if something already exists there (resume opens the store instead), unless
+    `overwrite` (for a store whose creation was interrupted)."""
     if not len(sample_ids) == len(input_ids) == len(loss_masks):
         raise ValueError("sample_ids, input_ids and loss_masks differ in length")
     lengths = np.array([len(x) for x in input_ids], dtype=np.int64)
@@ -233,7 +251,9 @@ def create_store(
         "rejected": [dict(r) for r in rejected],
         "job": dict(job or {}),
     }
-    group = zarr.create_group(store=path_or_url, zarr_format=3, attributes=attrs)
+    group = zarr.create_group(
+        store=path_or_url, zarr_format=3, attributes=attrs, overwrite=overwrite
+    )
     comp = _compressors(m.codec)
     hidden = "uint16" if m.dtype == "bfloat16" else "float32"
     hidden_attrs = BF16_ATTR if m.dtype == "bfloat16" else {}
@@ -259,7 +279,9 @@ def create_store(
     new("sample_status", (n,), "uint8", per_shard)
     new("shard_committed", (s,), "uint8", (1,))
     new("shard_summary", (s,), str, (1,), fill="")
+    digests = new("shard_plan_sha256", (s,), str, (max(s, 1),), fill="")
     # The plan's rows, one shard range at a time: whole chunks, bounded memory.
+    shard_digests = []
     for sh in shards:
         stop = _round_up(sh.token_end, c)
         ids = np.zeros(stop - sh.token_begin, np.int32)
@@ -269,6 +291,10 @@ def create_store(
             ids[rows], mask[rows] = input_ids[i], loss_masks[i]
         ids_arr[sh.token_begin : stop] = ids
         mask_arr[sh.token_begin : stop] = mask
+        used = sh.token_end - sh.token_begin
+        shard_digests.append(plan_digest(ids[:used], mask[:used]))
+    digests[:] = np.array(shard_digests, dtype=str)
+    group.attrs["created"] = True  # the creation's commit: everything above is in
     return Store(group, manifest, shards, starts, lengths)
 
 
@@ -293,6 +319,12 @@ class Store:
         if "manifest" not in attrs:
             raise StoreFormatError(f"{path_or_url}: no manifest, not a hidden-state store")
         manifest = Manifest.from_json(attrs["manifest"])  # refuses other schema versions
+        if attrs.get("created") is not True:
+            raise StoreIncomplete(
+                f"{path_or_url}: its creation was interrupted before every plan row was written "
+                "(no 'created' marker); no worker has written to it: submit the job again to "
+                "create it anew, or delete it"
+            )
         lengths = np.asarray(group["sample_length"][:], dtype=np.int64)
         starts, shards, _ = layout(lengths, manifest.samples_per_shard, manifest.chunk_tokens)
         # The layout is recomputed, so check it against the stored one rather than trust it.

@@ -30,7 +30,7 @@ from torch.utils.data import Dataset, IterableDataset, get_worker_info
 from zarr.codecs import BytesCodec
 from zarr.storage import LocalStore
 
-from cluster.store import HIDDEN_ARRAYS, STATUS_WRITTEN, Manifest, Shard, Store
+from store.format import HIDDEN_ARRAYS, STATUS_WRITTEN, Manifest, Shard, Store
 
 Sample = dict[str, Any]
 TOKEN_ARRAYS = ("input_ids", "loss_mask", *HIDDEN_ARRAYS)

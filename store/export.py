@@ -39,7 +39,7 @@ Layer numbering: SpecForge's `--aux-hidden-states-layers` (default `[1, L // 2 -
 which SGLang's `set_eagle3_layers_to_capture` resolves per model family ("we will add 1 to the
 layer index", `prepare_hidden_states.py` commit 0168a597, holds for Llama-style models;
 DeepSeek-style ones take the ids as given unless the first is 1): export.json records the ids
-that resolve to this store's HF indices as `specforge_aux_layers` (cluster.layers.
+that resolve to this store's HF indices as `specforge_aux_layers` (store.layers.
 requested_layer_ids; null when the model's config.json is not readable where it runs).
 
 vLLM speculators (vllm-project/speculators), `scripts/train.py --data-path OUT`, read by
@@ -98,9 +98,9 @@ from typing import IO, Any, Literal
 import numpy as np
 import torch
 
-from cluster.layers import model_config, requested_layer_ids
-from cluster.reader import HiddenStatesIterable
-from cluster.store import Manifest, Store, StoreFormatError
+from store.format import Manifest, Store, StoreFormatError
+from store.layers import model_config, requested_layer_ids
+from store.reader import HiddenStatesIterable
 
 Format = Literal["specforge", "speculators"]
 FORMATS: tuple[str, ...] = ("specforge", "speculators")
@@ -243,7 +243,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="python -m cluster export",
         description="Export a store's committed samples to SpecForge or vLLM speculators "
-        "offline training files (resumable; see cluster/export.py).",
+        "offline training files (resumable; see store/export.py).",
     )
     parser.add_argument("--store", required=True, metavar="URL", help="the store (store.url)")
     parser.add_argument("--format", required=True, choices=FORMATS, help="target format")

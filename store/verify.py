@@ -1,0 +1,699 @@
+"""Verify a hidden-state store (`python -m cluster verify`, cluster/verify.py, is the command).
+
+Reads the store (never writes it) and reports every problem it finds, each naming the shard,
+sample or array concerned; it stops early only when the store cannot be opened at all. Checks,
+each reported OK / FAIL / SKIP by name:
+
+- manifest:  the group attribute `manifest` is present, a JSON object, of schema version
+             SCHEMA_VERSION, with every field of the right type and value (Store.open's rules);
+             `sample_start` equals the deterministic layout and every sample has >= 1 token.
+             Failing it makes the store unreadable (exit 2): the other checks are skipped.
+- arrays:    every array exists with the shape, dtype, chunks, codec and attributes the manifest
+             and layout imply (uint16 + the bf16 attribute for bfloat16); lengths agree.
+- layout:    sample lengths <= max_length; sample ranges inside the arrays, not overlapping;
+             shards start on chunk boundaries.
+- commits:   every planned sample is in a committed shard with status written (1) or failed
+             (2, named with a reason in the shard's summary); uncommitted shards are named with
+             the samples they miss; each committed summary parses and agrees with
+             `sample_status`. Plan-time rejects are listed (info, not a failure).
+- plan:      the `input_ids` and `loss_mask` rows of every committed shard hash to the
+             `shard_plan_sha256` recorded when the store was created (the plan as it was made).
+- chunks:    every chunk of the hidden arrays that a committed shard's rows cover is stored
+             (the store's key listing; skipped where the store cannot list keys). A missing
+             chunk reads back as zeros, which only this check tells from a real value.
+- values:    the hidden rows of every written sample of a committed shard are finite (bf16
+             read off its exponent bits) and no row is all zero; read shard by shard in
+             chunk-aligned blocks of bounded size.
+- recompute: with a model and N > 0, N seeded random written samples are prefilled again on one
+             patched SGLang server and compared with the stored rows (cosine and relative RMS
+             error; bit-exact is not expected, batching differs).
+
+Exit status (`VerifyReport.exit_code`): 0 no errors, 1 errors, 2 the store cannot be read.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+import numpy as np
+import zarr
+from zarr.core.sync import sync
+
+from store.format import (
+    BF16_ATTR,
+    HIDDEN_ARRAYS,
+    SCHEMA_VERSION,
+    STATUS_FAILED,
+    STATUS_PLANNED,
+    STATUS_WRITTEN,
+    Manifest,
+    Shard,
+    Store,
+    layout,
+    plan_digest,
+)
+
+CHECKS = ("manifest", "arrays", "layout", "commits", "plan", "chunks", "values", "recompute")
+BLOCK_BYTES = 128 << 20  # rows of one hidden array read at once by the values check
+MANIFEST_TYPES: dict[str, tuple[type, ...]] = {
+    "schema_version": (int,),
+    "model": (str,),
+    "model_config_hash": (str,),
+    "tokenizer_hash": (str,),
+    "chat_template_hash": (str, type(None)),
+    "layer_ids": (list,),
+    "layer_convention": (str,),
+    "final_state": (str,),
+    "hidden_size": (int,),
+    "num_aux": (int,),
+    "dtype": (str,),
+    "max_length": (int,),
+    "codec": (dict,),
+    "chunk_tokens": (int,),
+    "samples_per_shard": (int,),
+}
+
+
+@dataclass
+class Finding:
+    level: Literal["error", "warning"]
+    check: str
+    message: str  # names the shard, sample or array
+
+
+@dataclass
+class VerifyReport:
+    findings: list[Finding] = field(default_factory=list)
+    checked: dict[str, Any] = field(default_factory=dict)  # counts, and info lists
+    url: str = ""
+    checks: dict[str, str] = field(default_factory=dict)  # name -> "ran" or "skipped: why"
+    unreadable: bool = False  # the store could not be opened: nothing past "manifest" ran
+
+    @property
+    def ok(self) -> bool:
+        return not any(f.level == "error" for f in self.findings)
+
+    @property
+    def exit_code(self) -> int:
+        return 2 if self.unreadable else 0 if self.ok else 1
+
+    def error(self, check: str, message: str) -> None:
+        self.findings.append(Finding("error", check, message))
+
+    def warning(self, check: str, message: str) -> None:
+        self.findings.append(Finding("warning", check, message))
+
+    def format(self) -> str:
+        lines = [f"store verification: {self.url}"]
+        for name in CHECKS:
+            lines.append(f"  {self._status(name):<5} {name:<10} {self._detail(name)}".rstrip())
+        counts = {k: v for k, v in self.checked.items() if isinstance(v, int | float | str)}
+        if counts:
+            lines.append("checked: " + ", ".join(f"{k} {v}" for k, v in counts.items()))
+        for f in self.findings:
+            lines.append(f"  {f.level.upper()} [{f.check}] {f.message}")
+        for title, key in (("failed samples", "failed"), ("rejected at plan", "rejected")):
+            items = self.checked.get(key) or []
+            if items:
+                lines.append(f"{title} ({len(items)}):")
+                lines += [f"  {r['sample_id']}: {r['reason']}" for r in items[:20]]
+                if len(items) > 20:
+                    lines.append(f"  ... and {len(items) - 20} more")
+        recomputed = self.checked.get("recomputed") or []
+        if recomputed:
+            lines.append(f"recomputed samples ({len(recomputed)}):")
+            lines += [f"  {describe_recompute(r)}" for r in recomputed]
+        errors = sum(f.level == "error" for f in self.findings)
+        warnings = len(self.findings) - errors
+        verdict = "UNREADABLE" if self.unreadable else "OK" if self.ok else "FAIL"
+        lines.append(f"result: {verdict} ({errors} errors, {warnings} warnings)")
+        return "\n".join(lines)
+
+    def _detail(self, name: str) -> str:
+        state = self.checks.get(name, "skipped: not run")
+        if state.startswith("skipped"):
+            return f"({state.removeprefix('skipped: ')})"
+        levels = [f.level for f in self.findings if f.check == name]
+        parts = [f"{levels.count(x)} {x}s" for x in ("error", "warning") if x in levels]
+        return f"({', '.join(parts)})" if parts else ""
+
+    def _status(self, name: str) -> str:
+        state = self.checks.get(name, "skipped: not run")
+        if state.startswith("skipped"):
+            return "SKIP"
+        failed = any(f.check == name and f.level == "error" for f in self.findings)
+        return "FAIL" if failed else "OK"
+
+
+def describe_recompute(result: dict[str, Any]) -> str:
+    """One recomputed sample: per hidden array, its min cosine and relative RMS error."""
+    parts = [
+        f"{name.split('_')[0]} cos {result[name]['min_cosine']:.6f} "
+        f"err {result[name]['relative_error']:.3%}"
+        for name in HIDDEN_ARRAYS
+    ]
+    verdict = "ok" if result["ok"] else "FAIL"
+    return f"sample {result['sample']} ({result['sample_id']}): {', '.join(parts)}: {verdict}"
+
+
+def _sample_name(ids: np.ndarray, i: int) -> str:
+    return f"{i} ({ids[i]})"
+
+
+def _runs(mask: np.ndarray) -> list[tuple[int, int]]:
+    """[start, stop) of each run of True in a 1-d bool array."""
+    edges = np.diff(np.concatenate([[0], mask.astype(np.int8), [0]]))
+    starts, stops = np.flatnonzero(edges == 1).tolist(), np.flatnonzero(edges == -1).tolist()
+    return list(zip(starts, stops, strict=True))
+
+
+# -- opening: the manifest check -----------------------------------------------------------
+
+
+def manifest_problems(raw: Any, where: str) -> list[str]:
+    """What is wrong with a stored manifest, field by field ([] when Manifest accepts it)."""
+    if not isinstance(raw, dict):
+        return [f"{where} is not a JSON object: got {type(raw).__name__} {str(raw)[:80]!r}"]
+    version = raw.get("schema_version")
+    if version != SCHEMA_VERSION:
+        return [
+            f"{where}: schema version {version!r} is not supported: this code reads version "
+            f"{SCHEMA_VERSION} only"
+        ]
+    problems = []
+    missing, unknown = set(MANIFEST_TYPES) - set(raw), set(raw) - set(MANIFEST_TYPES)
+    if missing or unknown:
+        problems.append(
+            f"{where}: fields differ from schema {SCHEMA_VERSION}: "
+            f"missing {sorted(missing)}, unknown {sorted(unknown)}"
+        )
+    for key, types in MANIFEST_TYPES.items():
+        value = raw.get(key)
+        if key in raw and (not isinstance(value, types) or isinstance(value, bool)):
+            wanted = " or ".join("null" if t is type(None) else t.__name__ for t in types)
+            problems.append(
+                f"{where}: field {key} must be {wanted}, got {type(value).__name__} {value!r}"
+            )
+    ids = raw.get("layer_ids")
+    if isinstance(ids, list) and not all(isinstance(i, int) and i >= 0 for i in ids):
+        problems.append(f"{where}: field layer_ids must hold non-negative integers, got {ids!r}")
+    if isinstance(raw.get("max_length"), int) and raw["max_length"] < 1:
+        problems.append(f"{where}: field max_length must be >= 1, got {raw['max_length']}")
+    if problems:
+        return problems
+    try:
+        Manifest.from_json(raw)
+    except (ValueError, TypeError) as exc:  # Manifest's own value rules
+        return [f"{where}: {exc}"]
+    return []
+
+
+def _layout_problems(group: zarr.Group, manifest: Manifest) -> list[str]:
+    """Store.open's layout rule, with the samples named: sample_start == layout(lengths)."""
+    lengths = np.asarray(group["sample_length"][:], dtype=np.int64)
+    empty = np.flatnonzero(lengths < 1)
+    if empty.size:
+        return [f"sample_length: samples {empty[:10].tolist()} have no tokens (length < 1)"]
+    starts, _, _ = layout(lengths, manifest.samples_per_shard, manifest.chunk_tokens)
+    stored = np.asarray(group["sample_start"][:])
+    if stored.shape != starts.shape:
+        return [f"sample_start has shape {stored.shape}, sample_length {lengths.shape}"]
+    wrong = np.flatnonzero(stored != starts)
+    if wrong.size:
+        i = int(wrong[0])
+        return [
+            f"sample_start disagrees with the deterministic layout at {wrong.size} samples, "
+            f"first sample {i}: stored {int(stored[i])}, layout {int(starts[i])}"
+        ]
+    return []
+
+
+def open_store(url: str | Path, report: VerifyReport) -> Store | None:
+    """The store, or None with the reason reported (the store is then unreadable)."""
+    where = f"attribute 'manifest' of {url}/zarr.json"
+    try:
+        group = zarr.open_group(store=url, mode="r", zarr_format=3)
+        attrs = group.attrs.asdict()
+    except Exception as exc:  # a missing path, unparseable zarr.json, not a group, ...
+        problems = [f"{url}: cannot open as a Zarr v3 group: {type(exc).__name__}: {exc}"]
+    else:
+        if "manifest" not in attrs:
+            problems = [f"{url}/zarr.json has no 'manifest' attribute: not a hidden-state store"]
+        else:
+            problems = manifest_problems(attrs["manifest"], where)
+        if not problems:
+            missing = [n for n in ("sample_start", "sample_length") if n not in group]
+            problems = [f"{url}: array {n} is missing" for n in missing] or _layout_problems(
+                group, Manifest.from_json(attrs["manifest"])
+            )
+    store = None
+    if not problems:
+        try:
+            store = Store.open(url, mode="r")
+        except Exception as exc:
+            problems = [f"{url}: Store.open refuses it: {type(exc).__name__}: {exc}"]
+    for problem in problems:
+        report.error("manifest", problem)
+    report.checks["manifest"] = "ran"
+    report.unreadable = store is None
+    return store
+
+
+# -- the checks on an open store -----------------------------------------------------------
+
+
+class _Verifier:
+    def __init__(self, store: Store, report: VerifyReport, say: Callable[[str], None]) -> None:
+        self.store, self.report, self.say = store, report, say
+        self.m = store.manifest
+        self.g = store.group
+        self.total = layout(store.sample_length, self.m.samples_per_shard, self.m.chunk_tokens)[2]
+        self.bad_arrays: set[str] = set()  # arrays the row checks must not read
+        self.ids: np.ndarray | None = None
+        with contextlib.suppress(Exception):  # a broken sample_id is the arrays check's finding
+            self.ids = np.asarray(self.g["sample_id"][:])
+        self.status = np.zeros(store.num_samples, np.uint8)
+        self.committed: list[Shard] = []  # committed shards, their rows worth checking
+
+    def name(self, i: int) -> str:
+        return _sample_name(self.ids, i) if self.ids is not None else str(i)
+
+    def span(self, a: int, b: int) -> str:
+        """Samples a..b-1 with their ids."""
+        if b - a == 1:
+            return f"sample {self.name(a)}"
+        if self.ids is None:
+            return f"samples {a}..{b - 1}"
+        return f"samples {a}..{b - 1} ({self.ids[a]} .. {self.ids[b - 1]})"
+
+    def run(self, check: str, fn: Callable[[], str | None]) -> None:
+        """Run one check; it returns a skip reason or None. A crash is a finding, not the end."""
+        try:
+            skipped = fn()
+        except Exception as exc:
+            self.report.error(check, f"the check crashed: {type(exc).__name__}: {exc}")
+            skipped = None
+        self.report.checks[check] = f"skipped: {skipped}" if skipped else "ran"
+
+    # -- arrays --
+
+    def expected_arrays(self) -> dict[str, tuple[tuple[int, ...], str, tuple[int, ...]]]:
+        m, t, c = self.m, self.total, self.m.chunk_tokens
+        n, s = self.store.num_samples, len(self.store.shards)
+        hidden = "uint16" if m.dtype == "bfloat16" else "float32"
+        aux, final = (m.num_aux, m.hidden_size), (m.hidden_size,)
+        return {
+            "input_ids": ((t,), "int32", (c,)),
+            "loss_mask": ((t,), "uint8", (c,)),
+            "aux_hidden_states": ((t, *aux), hidden, (c, *aux)),
+            "final_hidden_states": ((t, *final), hidden, (c, *final)),
+            "sample_start": ((n,), "int64", (max(n, 1),)),
+            "sample_length": ((n,), "int32", (max(n, 1),)),
+            "sample_id": ((n,), "str", (m.samples_per_shard,)),
+            "sample_status": ((n,), "uint8", (m.samples_per_shard,)),
+            "shard_committed": ((s,), "uint8", (1,)),
+            "shard_summary": ((s,), "str", (1,)),
+            "shard_plan_sha256": ((s,), "str", (max(s, 1),)),
+        }
+
+    def check_arrays(self) -> None:
+        m = self.m
+        implied = (
+            f"(manifest: hidden_size {m.hidden_size}, num_aux {m.num_aux}, dtype {m.dtype}, "
+            f"chunk_tokens {m.chunk_tokens}; layout: {self.total} rows, "
+            f"{self.store.num_samples} samples, {len(self.store.shards)} shards)"
+        )
+        for name, (shape, dtype, chunks) in self.expected_arrays().items():
+            if name not in self.g:
+                self.report.error("arrays", f"array {name} is missing")
+                self.bad_arrays.add(name)
+                continue
+            problems = self.array_problems(self.g[name], name, shape, dtype, chunks)
+            if problems:
+                self.report.error("arrays", f"{name}: " + "; ".join(problems) + f" {implied}")
+                self.bad_arrays.add(name)
+        if "sample_id" in self.bad_arrays:
+            self.ids = None  # name samples by index only
+
+    def array_problems(
+        self, arr: zarr.Array, name: str, shape: tuple, dtype: str, chunks: tuple
+    ) -> list[str]:
+        problems = []
+        if arr.shape != shape:
+            problems.append(f"shape {arr.shape} != {shape}")
+        kind_ok = arr.dtype.kind in "OTU" if dtype == "str" else arr.dtype == np.dtype(dtype)
+        if not kind_ok:
+            problems.append(f"dtype {arr.dtype} != {dtype}")
+        if arr.chunks != chunks:
+            problems.append(f"chunks {arr.chunks} != {chunks}")
+        if name in HIDDEN_ARRAYS:
+            attrs = dict(arr.attrs)
+            wanted = BF16_ATTR if self.m.dtype == "bfloat16" else {}
+            if {k: attrs.get(k) for k in BF16_ATTR} != {k: wanted.get(k) for k in BF16_ATTR}:
+                problems.append(f"attributes {attrs} != {wanted}")
+        if name in (*HIDDEN_ARRAYS, "input_ids", "loss_mask"):
+            codecs = [type(c).__name__ for c in arr.compressors]
+            wanted_codecs = ["ZstdCodec"] if self.m.codec["name"] == "zstd" else []
+            if codecs != wanted_codecs:
+                problems.append(f"compressors {codecs} != {wanted_codecs} (codec {self.m.codec})")
+        return problems
+
+    # -- layout --
+
+    def check_layout(self) -> None:
+        m, starts, lengths = self.m, self.store.sample_start, self.store.sample_length
+        long = np.flatnonzero(lengths > m.max_length)
+        for i in long[:20].tolist():
+            self.report.error(
+                "layout",
+                f"sample {self.name(i)}: length {lengths[i]} > max_length {m.max_length}",
+            )
+        ends = starts + lengths
+        for name in ("input_ids", "loss_mask", *HIDDEN_ARRAYS):
+            if name in self.g:
+                rows = self.g[name].shape[0]
+                outside = np.flatnonzero((starts < 0) | (ends > rows))
+                if outside.size:
+                    i = int(outside[0])
+                    self.report.error(
+                        "layout",
+                        f"{name}: {outside.size} sample ranges lie outside its {rows} rows, first "
+                        f"sample {self.name(i)} rows {starts[i]}..{ends[i] - 1}",
+                    )
+        order = np.argsort(starts, kind="stable")
+        overlap = np.flatnonzero(ends[order][:-1] > starts[order][1:])
+        for j in overlap[:20].tolist():
+            a, b = int(order[j]), int(order[j + 1])
+            self.report.error(
+                "layout", f"samples {self.name(a)} and {self.name(b)} overlap at row {starts[b]}"
+            )
+        for sh in self.store.shards:
+            if starts[sh.sample_begin] % m.chunk_tokens:
+                self.report.error(
+                    "layout",
+                    f"shard {sh.index} starts at row {starts[sh.sample_begin]}, not on a chunk "
+                    f"boundary (chunk_tokens {m.chunk_tokens})",
+                )
+
+    # -- commits --
+
+    def check_commits(self) -> None:
+        unusable = {"sample_status", "shard_committed", "shard_summary"} & self.bad_arrays
+        if unusable:
+            self.report.error("commits", f"cannot check commits: {sorted(unusable)} unusable")
+            return
+        self.status = np.asarray(self.g["sample_status"][:])
+        marks = np.asarray(self.g["shard_committed"][:])
+        summaries = np.asarray(self.g["shard_summary"][:])
+        failed: list[dict[str, Any]] = []
+        for sh in self.store.shards:
+            mark = int(marks[sh.index])
+            if mark == 0:
+                self.report.error(
+                    "commits",
+                    f"shard {sh.index} not committed: "
+                    f"{self.span(sh.sample_begin, sh.sample_end)} missing",
+                )
+            elif mark != 1:
+                self.report.error(
+                    "commits", f"shard {sh.index}: commit marker is {mark}, expected 0 or 1"
+                )
+            else:
+                failed += self.check_committed_shard(sh, str(summaries[sh.index]))
+        written = self.status == STATUS_WRITTEN
+        in_committed = np.zeros(self.store.num_samples, bool)
+        for sh in self.committed:
+            in_committed[sh.sample_begin : sh.sample_end] = True
+        self.report.checked.update(
+            committed_shards=len(self.committed),
+            samples_written=int((written & in_committed).sum()),
+            samples_failed=len(failed),
+            samples_not_committed=int((~in_committed).sum()),
+            failed=failed,
+        )
+        self.record_rejected()
+
+    def check_committed_shard(self, sh: Shard, text: str) -> list[dict[str, Any]]:
+        """Statuses and summary of one committed shard; returns its failed samples."""
+        self.committed.append(sh)
+        status = self.status[sh.sample_begin : sh.sample_end]
+        for a, b in _runs(status == STATUS_PLANNED):
+            which = self.span(sh.sample_begin + a, sh.sample_begin + b)
+            self.report.error(
+                "commits",
+                f"shard {sh.index} is committed but {which}: status 0 (planned), not written",
+            )
+        for j in np.flatnonzero(status > STATUS_FAILED).tolist():
+            self.report.error(
+                "commits",
+                f"sample {self.name(sh.sample_begin + j)}: status {status[j]} is not 0, 1 or 2",
+            )
+        try:
+            summary = json.loads(text) if text else None
+        except json.JSONDecodeError as exc:
+            self.report.error("commits", f"shard {sh.index}: summary is not valid JSON ({exc})")
+            summary = None
+        if text and summary is not None and not isinstance(summary, dict):
+            self.report.error("commits", f"shard {sh.index}: summary is not a JSON object")
+            summary = None
+        if not text:
+            self.report.error("commits", f"shard {sh.index} is committed but has no summary")
+        return self.check_summary(sh, status, summary or {}) if summary is not None else []
+
+    def check_summary(
+        self, sh: Shard, status: np.ndarray, summary: dict[str, Any]
+    ) -> list[dict[str, Any]]:
+        k, size = sh.index, sh.sample_end - sh.sample_begin
+        reasons = summary.get("failed")
+        if not isinstance(reasons, dict):
+            self.report.error("commits", f"shard {k}: summary 'failed' is not a dict of reasons")
+            reasons = {}
+        expected = {
+            "shard": k,
+            "samples": size,
+            "written": int((status == STATUS_WRITTEN).sum()),
+        }
+        for key, value in expected.items():
+            if summary.get(key) != value:
+                self.report.error(
+                    "commits",
+                    f"shard {k}: summary says {key} {summary.get(key)!r}, "
+                    f"sample_status says {value}",
+                )
+        failed, failed_ids = [], set()
+        for j in np.flatnonzero(status == STATUS_FAILED).tolist():
+            i = sh.sample_begin + j
+            sid = str(self.ids[i]) if self.ids is not None else str(i)
+            failed_ids.add(sid)
+            reason = reasons.get(sid)
+            if not isinstance(reason, str) or not reason:
+                self.report.error(
+                    "commits",
+                    f"sample {self.name(i)} has status 2 (failed) but shard {k}'s summary gives "
+                    "no reason for it",
+                )
+            failed.append({"sample": i, "sample_id": sid, "reason": reason, "shard": k})
+        for sid in sorted(set(reasons) - failed_ids):
+            self.report.error(
+                "commits",
+                f"shard {k}: summary names {sid!r} as failed, but no sample of the shard with "
+                "that id has status 2",
+            )
+        return failed
+
+    def record_rejected(self) -> None:
+        rejected = self.g.attrs.get("rejected")
+        ok = isinstance(rejected, list) and all(
+            isinstance(r, dict) and {"sample_id", "reason"} <= set(r) for r in rejected
+        )
+        if not ok:
+            self.report.warning(
+                "commits", "the 'rejected' attribute is not a list of {sample_id, reason}"
+            )
+            rejected = []
+        self.report.checked["rejected"] = [dict(r) for r in rejected]  # type: ignore[union-attr]
+
+    # -- plan --
+
+    def check_plan(self) -> str | None:
+        unusable = {"input_ids", "loss_mask", "shard_plan_sha256"} & self.bad_arrays
+        if unusable:
+            return f"{sorted(unusable)} unusable"
+        recorded = np.asarray(self.g["shard_plan_sha256"][:])
+        for sh in self.committed:
+            rows = slice(sh.token_begin, sh.token_end)
+            digest = plan_digest(self.g["input_ids"][rows], self.g["loss_mask"][rows])
+            if digest != recorded[sh.index]:
+                self.report.error(
+                    "plan",
+                    f"shard {sh.index} ({self.span(sh.sample_begin, sh.sample_end)}): input_ids /"
+                    f" loss_mask rows are not the plan recorded at creation (sha256 "
+                    f"{digest[:12]} != {str(recorded[sh.index])[:12]})",
+                )
+        return None
+
+    # -- chunks --
+
+    def check_chunks(self) -> str | None:
+        arrays = [n for n in HIDDEN_ARRAYS if n not in self.bad_arrays]
+        present = {n: stored_chunk_rows(self.g[n]) for n in arrays}
+        if any(p is None for p in present.values()):
+            self.report.checked["chunk_listing"] = False
+            return "the store cannot list its keys"
+        c, checked = self.m.chunk_tokens, 0
+        for sh in self.committed:
+            for k in range(sh.token_begin // c, -(-sh.token_end // c)):
+                checked += 1
+                for name in arrays:
+                    if not present[name][k]:  # type: ignore[index]
+                        self.missing_chunk(name, sh, k)
+        self.report.checked.update(chunk_listing=True, chunks_checked=checked * len(arrays))
+        return None
+
+    def missing_chunk(self, name: str, sh: Shard, k: int) -> None:
+        c = self.m.chunk_tokens
+        lo, hi = k * c, (k + 1) * c
+        starts = self.store.sample_start[sh.sample_begin : sh.sample_end]
+        ends = starts + self.store.sample_length[sh.sample_begin : sh.sample_end]
+        first = sh.sample_begin + int(np.searchsorted(ends, lo, side="right"))
+        stop = sh.sample_begin + int(np.searchsorted(starts, hi, side="left"))
+        key = self.g[name].metadata.encode_chunk_key((k,) + (0,) * (self.g[name].ndim - 1))
+        self.report.error(
+            "chunks",
+            f"{name}: chunk {k} (key {name}/{key}, rows {lo}..{hi - 1}) of committed shard "
+            f"{sh.index} is missing: {self.span(first, stop)} read zeros there",
+        )
+
+    # -- values --
+
+    def check_values(self, block_bytes: int = BLOCK_BYTES) -> str | None:
+        arrays = [n for n in HIDDEN_ARRAYS if n not in self.bad_arrays]
+        if self.report.checks.get("commits") != "ran":
+            return "the commit check did not run"
+        if not arrays:
+            return "no usable hidden-state array"
+        rows = nbytes = 0
+        for sh in self.committed:
+            for name in arrays:
+                arr = self.g[name]
+                nonfinite, zero = row_flags(arr, sh.token_begin, sh.token_end, block_bytes)
+                self.report_rows(name, sh, nonfinite, zero)
+                rows += sh.token_end - sh.token_begin
+                nbytes += (sh.token_end - sh.token_begin) * _row_bytes(arr)
+        self.report.checked.update(rows_checked=rows, bytes_checked=nbytes)
+        return None
+
+    def report_rows(self, name: str, sh: Shard, nonfinite: np.ndarray, zero: np.ndarray) -> None:
+        for i in range(sh.sample_begin, sh.sample_end):
+            if self.status[i] != STATUS_WRITTEN:
+                continue
+            rows = self.store.sample_rows(i)
+            local = slice(rows.start - sh.token_begin, rows.stop - sh.token_begin)
+            bad = np.flatnonzero(nonfinite[local])
+            if bad.size:
+                self.report.error(
+                    "values",
+                    f"sample {self.name(i)}: {bad.size} rows of {name} hold non-finite values, "
+                    f"first row {rows.start + bad[0]} (token {bad[0]} of the sample)",
+                )
+            for a, b in _runs(zero[local]):
+                self.report.error(
+                    "values",
+                    f"sample {self.name(i)} rows {rows.start + a}..{rows.start + b - 1} of {name} "
+                    "are all zero: chunk missing?",
+                )
+
+
+def stored_chunk_rows(arr: zarr.Array) -> np.ndarray | None:
+    """Which chunk rows (index along axis 0) of an array are stored, from one key listing;
+    None when the store cannot list. Keys are parsed as they stream by, never all held."""
+    path = arr.store_path
+    if not path.store.supports_listing:
+        return None
+    # With a trailing slash: memory/fsspec stores match prefixes as plain strings.
+    prefix = f"{path.path}/" if path.path else ""
+    # zarr 3.1.6's DefaultChunkKeyEncoding.decode_chunk_key cannot parse its own "c/5/0/0"
+    # (it splits "/5/0/0" and fails on the empty first part), so keys are parsed here.
+    sep = arr.metadata.chunk_key_encoding.separator
+    head = f"{prefix}c{sep}"
+    grid = arr.cdata_shape
+    present = np.zeros(grid[0], bool)
+
+    async def scan() -> None:
+        async for key in path.store.list_prefix(prefix):
+            if not key.startswith(head):
+                continue  # zarr.json
+            coords = key[len(head) :].split(sep)
+            if len(coords) == len(grid) and all(c.isdigit() for c in coords):
+                row, rest = int(coords[0]), coords[1:]
+                if row < grid[0] and not any(int(c) for c in rest):
+                    present[row] = True
+
+    sync(scan())
+    return present
+
+
+def _row_bytes(arr: zarr.Array) -> int:
+    return max(1, int(np.prod(arr.shape[1:])) * arr.dtype.itemsize)
+
+
+def row_flags(
+    arr: zarr.Array, start: int, stop: int, block_bytes: int = BLOCK_BYTES
+) -> tuple[np.ndarray, np.ndarray]:
+    """(row holds a non-finite value, row is all zero) for rows start..stop-1, read in
+    chunk-aligned blocks of about `block_bytes`. uint16 arrays hold bf16 bits."""
+    chunk = arr.chunks[0]
+    step = max(chunk, block_bytes // _row_bytes(arr) // chunk * chunk)
+    nonfinite = np.zeros(stop - start, bool)
+    zero = np.zeros(stop - start, bool)
+    for lo in range(start, stop, step):
+        hi = min(stop, lo + step)
+        x = np.asarray(arr[lo:hi]).reshape(hi - lo, -1)
+        if x.dtype == np.uint16:  # bf16: exponent all ones is inf or NaN; +-0 is zero
+            nonfinite[lo - start : hi - start] = ((x & 0x7F80) == 0x7F80).any(axis=1)
+            zero[lo - start : hi - start] = ~(x & 0x7FFF).any(axis=1)
+        else:
+            nonfinite[lo - start : hi - start] = ~np.isfinite(x).all(axis=1)
+            zero[lo - start : hi - start] = ~x.any(axis=1)
+    return nonfinite, zero
+
+
+RecomputeCheck = Callable[[Store, "VerifyReport"], str | None]
+
+
+def verify_store(
+    url: str | Path,
+    *,
+    recompute: RecomputeCheck | None = None,
+    say: Callable[[str], None] = print,
+) -> VerifyReport:
+    """Run every check on the store at `url` (read only); see the module docstring.
+    `recompute` is the check that needs the model (cluster/verify.py passes one); it returns a
+    skip reason or None, like the others."""
+    started = time.monotonic()
+    report = VerifyReport(url=str(url))
+    store = open_store(url, report)
+    if store is None:
+        for name in CHECKS[1:]:
+            report.checks[name] = "skipped: the store cannot be read"
+        return report
+    report.checked.update(samples=store.num_samples, shards=len(store.shards))
+    say(f"verify {url}: {store.num_samples} samples in {len(store.shards)} shards")
+    v = _Verifier(store, report, say)
+    v.run("arrays", v.check_arrays)
+    v.run("layout", v.check_layout)
+    v.run("commits", v.check_commits)
+    v.run("plan", v.check_plan)
+    v.run("chunks", v.check_chunks)
+    v.run("values", v.check_values)
+    v.run(
+        "recompute", lambda: recompute(store, report) if recompute else "no --model / --recompute"
+    )
+    report.checked["seconds"] = round(time.monotonic() - started, 2)
+    return report
