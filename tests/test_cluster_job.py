@@ -26,6 +26,7 @@ from transformers import AutoTokenizer
 from cluster.__main__ import main as cli_main
 from cluster.config import JobConfig, parse_config
 from cluster.driver import Driver, run_job
+from cluster.job_store import open_or_create
 from store.format import Store
 from tests.test_node_worker import assert_store_matches_reference
 
@@ -275,3 +276,25 @@ def test_a_straggling_shard_is_run_again_at_the_tail_and_only_the_first_commit_i
     summary = store.summary(shard)
     assert summary["deferred"] and summary["worker"] != running.worker_id
     assert_store_matches_reference(store, deepseek_path, [shard])
+
+
+def test_a_store_whose_creation_was_interrupted_is_created_anew(
+    deepseek_path: Path, tmp_path: Path
+) -> None:
+    rows = write_prompts(tmp_path / "prompts.jsonl", 7)
+    url = tmp_path / "s.zarr"
+    config = parse_config(job_config(deepseek_path, tmp_path / "prompts.jsonl", url, tmp_path))
+    store, _ = open_or_create(config, say=lambda _: None)
+    # What a driver killed mid-creation leaves: plan rows not all written, no `created` marker.
+    store.group["input_ids"][store.shards[1].token_begin :] = 0
+    store.group.attrs.put({k: v for k, v in store.group.attrs.items() if k != "created"})
+
+    said: list[str] = []
+    store, resumed = open_or_create(config, say=said.append)
+
+    assert not resumed and "an earlier creation was interrupted" in said[0]
+    for i, row in enumerate(rows):
+        assert store.group["input_ids"][store.sample_rows(i)].tolist() == expected_ids(
+            deepseek_path, row
+        )
+    assert Store.open(url).num_samples == len(rows)
