@@ -52,6 +52,7 @@ from store.format import Store
 class WorkerConfig:
     model_path: str
     store_url: str
+    storage_options: dict[str, Any] = field(default_factory=dict)  # see store/location.py
     aux_layer_ids: list[int] | None = None
     trust_remote_code: bool = False  # for the tokenizer (the server gets its own flag)
     tp_size: int | None = None  # None: every GPU of the node (1 on a CPU node)
@@ -85,7 +86,7 @@ class NodeWorker:
         self.config = config
         self.queue = queue
         self.id = worker_id or f"{socket.gethostname()}-{os.getpid()}"
-        self.store = Store.open(config.store_url, mode="r+")
+        self.store = Store.open(config.store_url, mode="r+", storage_options=config.storage_options)
         tokenizer = AutoTokenizer.from_pretrained(
             config.model_path, trust_remote_code=config.trust_remote_code
         )

@@ -21,6 +21,7 @@ from cluster.config import ConfigError, load_config
 from cluster.job_store import ResumeConflict
 from cluster.plan import PlanError
 from store.format import StoreFormatError
+from store.location import StoreAccessError
 
 DELEGATED = {"verify": "cluster.verify", "export": "store.export"}  # own argument parsers
 SHORTCUTS = {  # --model X is --set model.path=X, and so on
@@ -69,7 +70,7 @@ def main(argv: list[str] | None = None) -> int:
         from cluster.driver import run_job  # Ray and SGLang load only for a valid config
 
         return run_job(config, say=lambda text: print(text, flush=True))
-    except (ConfigError, ResumeConflict, PlanError, StoreFormatError) as exc:
+    except (ConfigError, ResumeConflict, PlanError, StoreFormatError, StoreAccessError) as exc:
         print(f"error: {exc}", file=sys.stderr, flush=True)
         return 2
 

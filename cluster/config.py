@@ -63,7 +63,10 @@ class DataConfig(_Section):
 
 
 class StoreConfig(_Section):
-    url: str  # a local directory or an fsspec URL (s3://..., gs://...)
+    url: str  # a local directory, or object storage: s3://bucket/prefix.zarr (gs://, az://)
+    # obstore settings for object storage (endpoint, region, client_options, retry_config, ...);
+    # credentials are better left to the nodes' AWS_* environment (see ray_configs/README.md).
+    storage_options: dict[str, Any] = {}
     codec: Literal["none", "zstd"] = "none"
     codec_level: int = Field(1, ge=1, le=22)
     samples_per_shard: int = Field(64, ge=1)  # one work shard = one lease = one commit

@@ -36,6 +36,7 @@ def worker_config(config: JobConfig) -> WorkerConfig:
     return WorkerConfig(
         model_path=m.path,
         store_url=config.store.url,
+        storage_options=config.store.storage_options,
         aux_layer_ids=m.aux_layer_ids,
         tp_size=s.tp_size,
         server_args=[

@@ -96,7 +96,7 @@ def open_or_create(config: JobConfig, say: Any = print) -> tuple[Store, bool]:
     url = config.store.url
     interrupted = False
     try:
-        store = Store.open(url, mode="r+")
+        store = Store.open(url, mode="r+", storage_options=config.store.storage_options)
     except (FileNotFoundError, zarr.errors.GroupNotFoundError, zarr.errors.NodeTypeValidationError):
         store = None
     except StoreIncomplete:  # only a driver writes before `created`: nothing to keep
@@ -124,6 +124,7 @@ def open_or_create(config: JobConfig, say: Any = print) -> tuple[Store, bool]:
         rejected=plan.rejected,
         job=job_spec(config, [s["sha256"] for s in plan.sources]),
         overwrite=interrupted,
+        storage_options=config.store.storage_options,
     )
     return store, False
 

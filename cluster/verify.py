@@ -18,7 +18,7 @@ import shutil
 import sys
 import tempfile
 import uuid
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -232,6 +232,7 @@ def verify(
     seed: int = 0,
     dump_root: str | None = None,
     server_args: Sequence[str] = (),
+    storage_options: Mapping[str, Any] | None = None,
     say: Callable[[str], None] = print,
 ) -> VerifyReport:
     """Every check of `store.verify`, and with a model the recompute of `recompute` samples."""
@@ -246,7 +247,7 @@ def verify(
         server_args=server_args,
         say=say,
     )
-    return verify_store(url, recompute=check, say=say)
+    return verify_store(url, recompute=check, storage_options=storage_options, say=say)
 
 
 # -- command line ------------------------------------------------------------------------------

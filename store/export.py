@@ -91,7 +91,7 @@ import secrets
 import shutil
 import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import IO, Any, Literal
 
@@ -100,6 +100,7 @@ import torch
 
 from store.format import Manifest, Store, StoreFormatError
 from store.layers import model_config, requested_layer_ids
+from store.location import StoreAccessError
 from store.reader import HiddenStatesIterable
 
 Format = Literal["specforge", "speculators"]
@@ -132,7 +133,12 @@ def sample_path(out_dir: str | Path, fmt: str, index: int) -> Path:
 
 
 def export(
-    url: str, out_dir: str | Path, fmt: Format, *, say: Callable[[str], Any] = print
+    url: str,
+    out_dir: str | Path,
+    fmt: Format,
+    *,
+    storage_options: Mapping[str, Any] | None = None,
+    say: Callable[[str], Any] = print,
 ) -> dict[str, Any]:
     """Export every committed, written sample of the store at `url` into `out_dir` in `fmt`
     (see the module docstring for both layouts). Resumable: a sample whose file exists is
@@ -142,7 +148,7 @@ def export(
     if fmt not in FORMATS:
         raise ValueError(f"format must be one of {', '.join(FORMATS)}, got {fmt!r}")
     start = time.monotonic()
-    store = Store.open(url)
+    store = Store.open(url, storage_options=storage_options)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     sample_ids = [str(s) for s in np.asarray(store.group["sample_id"][:])]
@@ -155,7 +161,7 @@ def export(
             say(f"export: note: {note}")
         if fmt == "speculators":
             _write_dataset(out, store, say)
-        reader = HiddenStatesIterable(url, rank=0, world_size=1)
+        reader = HiddenStatesIterable(url, rank=0, world_size=1, storage_options=storage_options)
         visible = reader.sample_indices
         exported = skipped = written = 0
         made: set[Path] = set()  # directories written into, fsynced at the end
@@ -251,7 +257,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(sys.argv[1:] if argv is None else argv)
     try:
         export(args.store, args.out, args.format, say=lambda text: print(text, flush=True))
-    except (ExportError, StoreFormatError, OSError, ValueError) as exc:
+    except (ExportError, StoreFormatError, StoreAccessError, OSError, ValueError) as exc:
         print(f"error: {exc}", file=sys.stderr, flush=True)
         return 1
     return 0

@@ -45,9 +45,11 @@ from pathlib import Path
 from typing import Any, Literal
 
 import numpy as np
+import obstore.exceptions
 import zarr
 from zarr.codecs import ZstdCodec
-from zarr.storage import StoreLike
+
+from store.location import StoreAccessError, describe_failure, first_key, open_location
 
 SCHEMA_VERSION = 2  # 2: the `created` marker and `shard_plan_sha256`
 BF16_ATTR = {"stored_as": "uint16", "dtype": "bfloat16"}
@@ -225,7 +227,7 @@ def _compressors(codec: Mapping[str, Any]) -> list[ZstdCodec] | None:
 
 
 def create_store(
-    path_or_url: StoreLike,
+    url: str | Path,
     manifest: Manifest,
     sample_ids: Sequence[str],
     input_ids: Sequence[np.ndarray],
@@ -233,6 +235,7 @@ def create_store(
     rejected: Sequence[Mapping[str, str]] = (),
     job: Mapping[str, Any] | None = None,
     overwrite: bool = False,
+    storage_options: Mapping[str, Any] | None = None,
 ) -> Store:
     """The driver's one-time creation of every array and attribute, and the plan's own rows;
     the `created` marker last. `job`: what the plan was made from, kept for resume checks.
@@ -251,9 +254,17 @@ def create_store(
         "rejected": [dict(r) for r in rejected],
         "job": dict(job or {}),
     }
-    group = zarr.create_group(
-        store=path_or_url, zarr_format=3, attributes=attrs, overwrite=overwrite
-    )
+    location = open_location(url, storage_options)
+    if not overwrite:
+        try:
+            existing = first_key(location)
+        except obstore.exceptions.BaseError as exc:  # no bucket, refused credentials, ...
+            raise StoreAccessError(describe_failure(url, exc, storage_options)) from None
+        if existing is not None:
+            raise StoreAccessError(
+                f"{url}: not empty (it holds {existing!r}): a new store needs an empty location"
+            )
+    group = zarr.create_group(store=location, zarr_format=3, attributes=attrs, overwrite=overwrite)
     comp = _compressors(m.codec)
     hidden = "uint16" if m.dtype == "bfloat16" else "float32"
     hidden_attrs = BF16_ATTR if m.dtype == "bfloat16" else {}
@@ -313,15 +324,30 @@ class Store:
         self.sample_start, self.sample_length = sample_start, sample_length
 
     @classmethod
-    def open(cls, path_or_url: StoreLike, mode: Literal["r", "r+"] = "r") -> Store:
-        group = zarr.open_group(store=path_or_url, mode=mode, zarr_format=3)
+    def open(
+        cls,
+        url: str | Path,
+        mode: Literal["r", "r+"] = "r",
+        storage_options: Mapping[str, Any] | None = None,
+    ) -> Store:
+        """Raises zarr's GroupNotFoundError where no store is, StoreAccessError where the
+        location cannot be used, StoreFormatError for anything else than a complete store."""
+        location = open_location(url, storage_options, read_only=mode == "r")
+        try:
+            try:
+                group = zarr.open_group(store=location, mode=mode, zarr_format=3)
+            except zarr.errors.GroupNotFoundError:
+                first_key(location)  # a missing bucket reads as "no group": say which it is
+                raise
+        except obstore.exceptions.BaseError as exc:
+            raise StoreAccessError(describe_failure(url, exc, storage_options)) from None
         attrs = group.attrs.asdict()
         if "manifest" not in attrs:
-            raise StoreFormatError(f"{path_or_url}: no manifest, not a hidden-state store")
+            raise StoreFormatError(f"{url}: no manifest, not a hidden-state store")
         manifest = Manifest.from_json(attrs["manifest"])  # refuses other schema versions
         if attrs.get("created") is not True:
             raise StoreIncomplete(
-                f"{path_or_url}: its creation was interrupted before every plan row was written "
+                f"{url}: its creation was interrupted before every plan row was written "
                 "(no 'created' marker); no worker has written to it: submit the job again to "
                 "create it anew, or delete it"
             )
@@ -329,7 +355,7 @@ class Store:
         starts, shards, _ = layout(lengths, manifest.samples_per_shard, manifest.chunk_tokens)
         # The layout is recomputed, so check it against the stored one rather than trust it.
         if not np.array_equal(starts, group["sample_start"][:]):
-            raise StoreFormatError(f"{path_or_url}: sample_start disagrees with the layout")
+            raise StoreFormatError(f"{url}: sample_start disagrees with the layout")
         return cls(group, manifest, shards, starts, lengths)
 
     @property

@@ -18,8 +18,9 @@ without its handle), and refused if its schema version is unknown (`StoreFormatE
 
 from __future__ import annotations
 
+import os
 import sys
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -31,6 +32,7 @@ from zarr.codecs import BytesCodec
 from zarr.storage import LocalStore
 
 from store.format import HIDDEN_ARRAYS, STATUS_WRITTEN, Manifest, Shard, Store
+from store.location import is_remote
 
 Sample = dict[str, Any]
 TOKEN_ARRAYS = ("input_ids", "loss_mask", *HIDDEN_ARRAYS)
@@ -111,9 +113,9 @@ def _row_reader(array: zarr.Array) -> Callable[[int, int], np.ndarray]:
 class _StoreView:
     """What both readers share: the visible samples and a per-process store handle."""
 
-    def __init__(self, url: str) -> None:
-        self.url = str(url)
-        store = Store.open(self.url)
+    def __init__(self, url: str, storage_options: Mapping[str, Any] | None) -> None:
+        self.url, self.storage_options = str(url), storage_options
+        store = Store.open(self.url, storage_options=storage_options)
         self.manifest: Manifest = store.manifest
         committed = store.committed()
         status = np.asarray(store.group["sample_status"][:])
@@ -130,6 +132,7 @@ class _StoreView:
         self.sample_start, self.sample_length = store.sample_start, store.sample_length
         self.sample_ids = np.asarray(store.group["sample_id"][:])
         self._store: Store | None = store
+        self._opened_by = os.getpid()
         self._readers: dict[str, Callable[[int, int], np.ndarray]] | None = None
 
     def __getstate__(self) -> dict[str, Any]:
@@ -137,8 +140,17 @@ class _StoreView:
 
     @property
     def store(self) -> Store:
+        if self._store is not None and self._opened_by != os.getpid():  # a forked copy
+            if is_remote(self.url):
+                raise RuntimeError(
+                    f"{self.url}: object storage cannot be read in a forked process (its client "
+                    "runtime does not survive fork): give the DataLoader "
+                    "multiprocessing_context='spawn' (or 'forkserver')"
+                )
+            self._store, self._readers = None, None
         if self._store is None:
-            self._store = Store.open(self.url)
+            self._store = Store.open(self.url, storage_options=self.storage_options)
+            self._opened_by = os.getpid()
         return self._store
 
     def read_rows(self, begin: int, end: int) -> dict[str, np.ndarray]:
@@ -170,8 +182,8 @@ class _StoreView:
 class HiddenStatesDataset(Dataset):
     """Random access: item k is the k-th visible sample, in store (= plan) order."""
 
-    def __init__(self, url: str) -> None:
-        self._view = _StoreView(url)
+    def __init__(self, url: str, storage_options: Mapping[str, Any] | None = None) -> None:
+        self._view = _StoreView(url, storage_options)
 
     @property
     def manifest(self) -> Manifest:
@@ -212,8 +224,9 @@ class HiddenStatesIterable(IterableDataset):
         shuffle: bool = False,
         seed: int = 0,
         block_bytes: int = 16 << 20,
+        storage_options: Mapping[str, Any] | None = None,
     ) -> None:
-        self._view = _StoreView(url)
+        self._view = _StoreView(url, storage_options)
         self.rank, self.world_size = rank, world_size
         self.shuffle, self.seed, self.epoch = shuffle, seed, 0
         self.block_bytes = block_bytes

@@ -36,7 +36,7 @@ from __future__ import annotations
 import contextlib
 import json
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -58,6 +58,7 @@ from store.format import (
     layout,
     plan_digest,
 )
+from store.location import describe_failure, open_location
 
 CHECKS = ("manifest", "arrays", "layout", "commits", "plan", "chunks", "values", "recompute")
 BLOCK_BYTES = 128 << 20  # rows of one hidden array read at once by the values check
@@ -234,14 +235,19 @@ def _layout_problems(group: zarr.Group, manifest: Manifest) -> list[str]:
     return []
 
 
-def open_store(url: str | Path, report: VerifyReport) -> Store | None:
+def open_store(
+    url: str | Path, report: VerifyReport, storage_options: Mapping[str, Any] | None = None
+) -> Store | None:
     """The store, or None with the reason reported (the store is then unreadable)."""
     where = f"attribute 'manifest' of {url}/zarr.json"
     try:
-        group = zarr.open_group(store=url, mode="r", zarr_format=3)
+        location = open_location(url, storage_options, read_only=True)
+        group = zarr.open_group(store=location, mode="r", zarr_format=3)
         attrs = group.attrs.asdict()
     except Exception as exc:  # a missing path, unparseable zarr.json, not a group, ...
-        problems = [f"{url}: cannot open as a Zarr v3 group: {type(exc).__name__}: {exc}"]
+        problems = [
+            f"cannot open as a Zarr v3 group: {describe_failure(url, exc, storage_options)}"
+        ]
     else:
         if "manifest" not in attrs:
             problems = [f"{url}/zarr.json has no 'manifest' attribute: not a hidden-state store"]
@@ -255,7 +261,7 @@ def open_store(url: str | Path, report: VerifyReport) -> Store | None:
     store = None
     if not problems:
         try:
-            store = Store.open(url, mode="r")
+            store = Store.open(url, mode="r", storage_options=storage_options)
         except Exception as exc:
             problems = [f"{url}: Store.open refuses it: {type(exc).__name__}: {exc}"]
     for problem in problems:
@@ -671,6 +677,7 @@ def verify_store(
     url: str | Path,
     *,
     recompute: RecomputeCheck | None = None,
+    storage_options: Mapping[str, Any] | None = None,
     say: Callable[[str], None] = print,
 ) -> VerifyReport:
     """Run every check on the store at `url` (read only); see the module docstring.
@@ -678,7 +685,7 @@ def verify_store(
     skip reason or None, like the others."""
     started = time.monotonic()
     report = VerifyReport(url=str(url))
-    store = open_store(url, report)
+    store = open_store(url, report, storage_options)
     if store is None:
         for name in CHECKS[1:]:
             report.checks[name] = "skipped: the store cannot be read"

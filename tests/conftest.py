@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.s3_server import S3Server, s3_server
 from tools.tiny_models import ensure_models
 
 
@@ -32,3 +33,10 @@ def fresh_dir(tmp_path: Path) -> Iterator[Path]:
     path = tmp_path / "dumps"
     path.mkdir()
     yield path
+
+
+@pytest.fixture(scope="session")
+def s3() -> Iterator[S3Server]:
+    """One S3 server on loopback for the session; each test uses its own prefix."""
+    with s3_server() as server:
+        yield server

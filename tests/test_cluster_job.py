@@ -27,7 +27,11 @@ from cluster.__main__ import main as cli_main
 from cluster.config import JobConfig, parse_config
 from cluster.driver import Driver, run_job
 from cluster.job_store import open_or_create
+from cluster.verify import verify
+from store.export import FORMATS, export
 from store.format import Store
+from store.reader import HiddenStatesDataset
+from tests.s3_server import SECRET_KEY, S3Server
 from tests.test_node_worker import assert_store_matches_reference
 
 pytestmark = pytest.mark.slow
@@ -298,3 +302,35 @@ def test_a_store_whose_creation_was_interrupted_is_created_anew(
             deepseek_path, row
         )
     assert Store.open(url).num_samples == len(rows)
+
+
+def test_a_job_on_s3_writes_every_sample_once_and_reads_verifies_and_exports_from_there(
+    two_nodes: Cluster, deepseek_path: Path, tmp_path: Path, s3: S3Server
+) -> None:
+    rows = write_prompts(tmp_path / "prompts.jsonl", 8)
+    url = s3.url(f"{tmp_path.name}/s.zarr")
+    raw = job_config(deepseek_path, tmp_path / "prompts.jsonl", url, tmp_path)
+    raw["store"]["storage_options"] = s3.options
+    log: list[str] = []
+
+    assert run_job(parse_config(raw), say=log.append) == 0
+
+    assert not list(tmp_path.rglob("zarr.json")), "nothing of the store is on local disk"
+    store = Store.open(url, storage_options=s3.options)
+    assert_exactly_once(store, rows, deepseek_path)
+    assert_store_matches_reference(store, deepseek_path, [0, len(store.shards) - 1])
+    report = verify(
+        url,
+        model_path=str(deepseek_path),
+        recompute=2,
+        dump_root=str(tmp_path),
+        storage_options=s3.options,
+        say=log.append,
+    )
+    assert report.ok, report.format()
+    assert [r["ok"] for r in report.checked["recomputed"]] == [True, True]
+    reader = HiddenStatesDataset(url, storage_options=s3.options)
+    for fmt in FORMATS:
+        result = export(url, tmp_path / fmt, fmt, storage_options=s3.options, say=log.append)
+        assert result["files"] == len(reader) == len(rows)
+    assert SECRET_KEY not in "\n".join(log) + report.format()

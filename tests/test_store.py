@@ -59,9 +59,16 @@ def plan() -> tuple[list[str], list[np.ndarray], list[np.ndarray]]:
     return [f"s{i}-é" for i in range(len(LENGTHS))], ids, masks
 
 
-def new_store(path: Path, dtype: str = "bfloat16", codec: dict | None = None) -> Store:
+def new_store(
+    path: Path | str,
+    dtype: str = "bfloat16",
+    codec: dict | None = None,
+    storage_options: dict | None = None,
+) -> Store:
     rejected = [{"sample_id": "bad", "reason": "too long"}]
-    return create_store(path, manifest(dtype, codec), *plan(), rejected=rejected)
+    return create_store(
+        path, manifest(dtype, codec), *plan(), rejected=rejected, storage_options=storage_options
+    )
 
 
 def sample_bits(i: int, dtype: str = "bfloat16") -> tuple[np.ndarray, np.ndarray]:

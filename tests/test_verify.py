@@ -42,13 +42,20 @@ def rows(i: int, dtype: str) -> tuple[np.ndarray, np.ndarray]:
     return aux, final
 
 
-def build_store(path: Path, dtype: str = "bfloat16", shards: tuple[int, ...] = (0, 1, 2)) -> Path:
+def build_store(
+    path: Path | str,
+    dtype: str = "bfloat16",
+    shards: tuple[int, ...] = (0, 1, 2),
+    storage_options: dict | None = None,
+) -> Path | str:
     rng = np.random.default_rng(0)
     ids = [rng.integers(0, 1000, n).astype(np.int32) for n in LENGTHS]
     masks = [np.ones(n, np.uint8) for n in LENGTHS]
     names = [f"s{i}" for i in range(len(LENGTHS))]
     rejected = [{"sample_id": "bad", "reason": "too long"}]
-    store = create_store(path, manifest(dtype), names, ids, masks, rejected=rejected)
+    store = create_store(
+        path, manifest(dtype), names, ids, masks, rejected=rejected, storage_options=storage_options
+    )
     for k in shards:
         shard = store.shards[k]
         writer = ShardWriter(store, shard)

@@ -1,0 +1,174 @@
+"""The store on object storage, against a real S3 server on loopback (moto): created, written,
+committed, fenced, read, verified and exported exactly as a local store, and refused clearly
+where the location cannot be used."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import uuid
+from pathlib import Path
+
+import numpy as np
+import pytest
+import zarr
+from torch.utils.data import DataLoader
+
+from actors.lease_keeper import LeaseLost
+from actors.shard_writer import ShardWriter
+from cluster.shard_queue import ShardQueue
+from store.export import FORMATS, export
+from store.format import Store
+from store.location import SinglePutObjectStore, StoreAccessError, open_location
+from store.reader import HiddenStatesDataset, HiddenStatesIterable
+from store.verify import verify_store
+from tests.s3_server import SECRET_KEY, S3Server, free_port
+from tests.test_export import assert_same, exported_files
+from tests.test_store import as_input, keeper, new_store, other_bits, sample_bits
+from tests.test_verify import build_store, errors
+
+
+def fresh_url(s3: S3Server) -> tuple[str, str]:
+    prefix = f"{uuid.uuid4().hex}/s.zarr"
+    return s3.url(prefix), prefix
+
+
+def test_a_store_on_s3_reads_verifies_and_exports_as_the_same_store_on_disk(
+    s3: S3Server, tmp_path: Path
+) -> None:
+    local = str(build_store(tmp_path / "local.zarr"))
+    url, prefix = fresh_url(s3)
+    build_store(url, storage_options=s3.options)
+    keys = s3.keys(prefix)
+    assert f"{prefix}/zarr.json" in keys and f"{prefix}/aux_hidden_states/c/5/0/0" in keys
+
+    want = HiddenStatesDataset(local)
+    got = HiddenStatesDataset(url, storage_options=s3.options)
+    assert len(got) == len(want) > 0
+    for i in range(len(want)):
+        assert_same(got[i], want[i])
+    iterable = HiddenStatesIterable(url, storage_options=s3.options)
+    spawned = DataLoader(iterable, batch_size=None, num_workers=2, multiprocessing_context="spawn")
+    ids = sorted(want[i]["sample_id"] for i in range(len(want)))
+    assert sorted(s["sample_id"] for s in spawned) == ids
+    forked = DataLoader(iterable, batch_size=None, num_workers=1, multiprocessing_context="fork")
+    with pytest.raises(RuntimeError, match="multiprocessing_context='spawn'"):
+        next(iter(forked))
+
+    report = verify_store(url, storage_options=s3.options, say=lambda _: None)
+    assert report.ok, report.format()
+    assert report.checked["chunk_listing"] and report.checked["chunks_checked"] > 0
+
+    for fmt in FORMATS:
+        export(local, tmp_path / f"local-{fmt}", fmt, say=lambda _: None)
+        export(url, tmp_path / f"s3-{fmt}", fmt, storage_options=s3.options, say=lambda _: None)
+        mine = exported_files(tmp_path / f"s3-{fmt}", fmt)
+        theirs = exported_files(tmp_path / f"local-{fmt}", fmt)
+        assert [p.name for p in mine] == [p.name for p in theirs] and mine
+        for a, b in zip(mine, theirs, strict=True):
+            assert a.read_bytes() == b.read_bytes(), a.name
+
+    # A chunk object lost on S3 is found through the bucket's listing.
+    s3.client().delete_object(Bucket=s3.bucket, Key=f"{prefix}/aux_hidden_states/c/5/0/0")
+    report = verify_store(url, storage_options=s3.options, say=lambda _: None)
+    assert errors(report, "chunks")[0].startswith("aux_hidden_states: chunk 5 (key ")
+    assert SECRET_KEY not in report.format()
+
+
+def test_every_chunk_is_one_put(s3: S3Server) -> None:
+    location = open_location(s3.url("one-put.zarr"), s3.options)
+    assert isinstance(location, SinglePutObjectStore)
+    arr = zarr.create_array(location, shape=(4, 3 << 20), chunks=(1, 3 << 20), dtype="uint16")
+    arr[:] = 7  # 6 MiB chunks: multipart above 5 MiB would leave upload parts behind on failure
+    assert len([k for k in s3.keys("one-put.zarr/c/")]) == 4
+    assert (arr[:] == 7).all()
+
+
+class HeldPuts(zarr.storage.WrapperStore):
+    """A client whose chunk PUTs hang until released: a stale holder's in-flight write."""
+
+    def __init__(self, store, hold: threading.Event, started: threading.Event) -> None:
+        super().__init__(store)
+        self.hold, self.started = hold, started
+
+    async def set(self, key, value) -> None:
+        if "/c/" in key:
+            self.started.set()
+            while not self.hold.is_set():
+                await asyncio.sleep(0.01)
+        await self._store.set(key, value)
+
+
+def test_a_stale_holders_late_put_cannot_land_after_the_winners_commit(
+    s3: S3Server, tmp_path: Path
+) -> None:
+    url, _ = fresh_url(s3)
+    store = new_store(url, storage_options=s3.options)
+    queue = ShardQueue([1], straggler_min_seconds=0)
+    sh = store.shards[1]
+    release, in_flight = threading.Event(), threading.Event()
+    stale_view = Store(
+        zarr.open_group(HeldPuts(open_location(url, s3.options), release, in_flight), mode="r+"),
+        store.manifest,
+        store.shards,
+        store.sample_start,
+        store.sample_length,
+    )
+    stale_fence = keeper(queue, "stale")
+    stale = ShardWriter(stale_view, sh, threads=1, fence=stale_fence)
+    # Sample 5 alone fills chunk 5: its PUT starts, inside the fence, and hangs.
+    stale.write_sample(5, *(as_input(x, 5) for x in sample_bits(5)))
+    assert in_flight.wait(10)
+    queue._durations.append(0.0)  # a known shard time: the stale holder counts as a straggler
+    winner_fence = keeper(queue, "winner")
+    assert winner_fence.lease.deferred
+    winner = ShardWriter(store, sh, threads=1, fence=winner_fence, spill_dir=tmp_path / "spill")
+    for i in range(sh.sample_begin, sh.sample_end):
+        winner.write_sample(i, *(as_input(x, i) for x in other_bits(i)))
+
+    committed = threading.Event()
+    thread = threading.Thread(
+        target=lambda: (winner.commit({"worker": "winner"}), committed.set()), daemon=True
+    )
+    thread.start()
+    # The winner's claim waits while the stale PUT is in flight: it cannot land after the commit.
+    assert not committed.wait(1.5)
+    assert not store.committed()[1]
+    release.set()
+    thread.join(30)
+    assert committed.is_set() and store.committed()[1]
+    with pytest.raises(LeaseLost):  # the stale holder is fenced off from here on
+        for i in (4, 6, 7):
+            stale.write_sample(i, *(as_input(x, i) for x in sample_bits(i)))
+        stale.commit({"worker": "stale"})
+    reopened = Store.open(url, storage_options=s3.options)
+    for i in range(sh.sample_begin, sh.sample_end):
+        aux, final = other_bits(i)
+        rows = reopened.sample_rows(i)
+        np.testing.assert_array_equal(reopened.group["aux_hidden_states"][rows], aux)
+        np.testing.assert_array_equal(reopened.group["final_hidden_states"][rows], final)
+    assert reopened.summary(1)["worker"] == "winner"
+
+
+def test_unusable_locations_are_refused_naming_the_url_and_nothing_is_written(
+    s3: S3Server, tmp_path: Path
+) -> None:
+    before = s3.keys()
+    unreachable = {**s3.options, "endpoint": f"http://127.0.0.1:{free_port()}"}
+    for url, options, reason in (
+        ("s3://no-such-bucket/s.zarr", s3.options, "NoSuchBucket"),
+        (s3.url("s.zarr"), unreachable, "error sending request"),
+    ):
+        with pytest.raises(StoreAccessError) as caught:
+            new_store(url, storage_options=options)
+        message = str(caught.value)
+        assert message.startswith(f"{url}: ") and reason in message, message
+        assert SECRET_KEY not in message
+        with pytest.raises(StoreAccessError, match=f"^{url}: "):
+            Store.open(url, storage_options=options)
+    assert s3.keys() == before
+
+    s3.client().put_object(Bucket=s3.bucket, Key="other/notes.txt", Body=b"not a store")
+    with pytest.raises(StoreAccessError, match=r"other: not empty .*'notes.txt'"):
+        new_store(s3.url("other"), storage_options=s3.options)
+    assert s3.keys("other") == ["other/notes.txt"]
