@@ -179,11 +179,10 @@ class _StoreView:
         return torch.from_numpy(x)
 
 
-class HiddenStatesDataset(Dataset):
-    """Random access: item k is the k-th visible sample, in store (= plan) order."""
+class _VisibleSamples:
+    """What both readers show of their store view."""
 
-    def __init__(self, url: str, storage_options: Mapping[str, Any] | None = None) -> None:
-        self._view = _StoreView(url, storage_options)
+    _view: _StoreView
 
     @property
     def manifest(self) -> Manifest:
@@ -194,8 +193,15 @@ class HiddenStatesDataset(Dataset):
         """Store indices of the visible samples, ascending (item k of the Dataset is the k-th)."""
         return self._view.visible
 
-    def __len__(self) -> int:
+    def __len__(self) -> int:  # for the iterable: across all consumers
         return len(self._view.visible)
+
+
+class HiddenStatesDataset(_VisibleSamples, Dataset):
+    """Random access: item k is the k-th visible sample, in store (= plan) order."""
+
+    def __init__(self, url: str, storage_options: Mapping[str, Any] | None = None) -> None:
+        self._view = _StoreView(url, storage_options)
 
     def __getitem__(self, k: int) -> Sample:
         if not -len(self) <= k < len(self):
@@ -206,7 +212,7 @@ class HiddenStatesDataset(Dataset):
         return self._view.sample(i, rows, start)
 
 
-class HiddenStatesIterable(IterableDataset):
+class HiddenStatesIterable(_VisibleSamples, IterableDataset):
     """Sequential and shard-aware: committed shards are dealt round-robin to the consumers
     (`world_size` ranks x DataLoader workers each), so every visible sample is yielded exactly
     once per epoch across them. Each shard is read in contiguous blocks of whole samples of at
@@ -231,20 +237,8 @@ class HiddenStatesIterable(IterableDataset):
         self.shuffle, self.seed, self.epoch = shuffle, seed, 0
         self.block_bytes = block_bytes
 
-    @property
-    def manifest(self) -> Manifest:
-        return self._view.manifest
-
-    @property
-    def sample_indices(self) -> np.ndarray:
-        """Store indices of the visible samples, ascending (item k of the Dataset is the k-th)."""
-        return self._view.visible
-
     def set_epoch(self, epoch: int) -> None:
         self.epoch = epoch
-
-    def __len__(self) -> int:  # across all consumers
-        return len(self._view.visible)
 
     def _consumer(self) -> tuple[int, int]:
         rank, world = self.rank, self.world_size
