@@ -78,10 +78,11 @@ class Driver:
     incarnation: int = 0
 
     def run(self) -> int:
+        started = time.monotonic()
+        # The store first: a bad location or config fails in seconds, before Ray is touched.
+        store, resumed = open_or_create(self.config, self.say)
         if not ray.is_initialized():
             ray.init()
-        started = time.monotonic()
-        store, resumed = open_or_create(self.config, self.say)
         committed = store.committed()
         todo = [sh for sh in store.shards if not committed[sh.index]]
         self.say(f"{len(todo)} of {len(store.shards)} shards to do")

@@ -97,6 +97,7 @@ from typing import IO, Any, Literal
 
 import numpy as np
 import torch
+import zarr
 
 from store.format import Manifest, Store, StoreFormatError
 from store.layers import model_config, requested_layer_ids
@@ -148,7 +149,10 @@ def export(
     if fmt not in FORMATS:
         raise ValueError(f"format must be one of {', '.join(FORMATS)}, got {fmt!r}")
     start = time.monotonic()
-    store = Store.open(url, storage_options=storage_options)
+    try:
+        store = Store.open(url, storage_options=storage_options)
+    except (FileNotFoundError, zarr.errors.GroupNotFoundError) as exc:
+        raise StoreAccessError(f"{url}: no store there ({exc})") from None
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     sample_ids = [str(s) for s in np.asarray(store.group["sample_id"][:])]
@@ -245,7 +249,8 @@ def read_exported(out_dir: str | Path, fmt: Format, sample_index: int) -> dict[s
 
 def main(argv: list[str] | None = None) -> int:
     """`python -m cluster export --store URL --format {specforge,speculators} --out DIR`:
-    exit 0 once every committed sample is exported, 1 on an error (printed)."""
+    exit 0 once every committed sample is exported, 2 when the store cannot be opened, 1 on any
+    other error (printed)."""
     parser = argparse.ArgumentParser(
         prog="python -m cluster export",
         description="Export a store's committed samples to SpecForge or vLLM speculators "
@@ -257,7 +262,10 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(sys.argv[1:] if argv is None else argv)
     try:
         export(args.store, args.out, args.format, say=lambda text: print(text, flush=True))
-    except (ExportError, StoreFormatError, StoreAccessError, OSError, ValueError) as exc:
+    except (StoreFormatError, StoreAccessError) as exc:
+        print(f"error: {exc}", file=sys.stderr, flush=True)
+        return 2
+    except (ExportError, OSError, ValueError) as exc:
         print(f"error: {exc}", file=sys.stderr, flush=True)
         return 1
     return 0

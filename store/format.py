@@ -79,6 +79,23 @@ class StoreIncomplete(StoreFormatError):
     """The store's creation was interrupted: its plan rows are not all written."""
 
 
+def open_group(
+    url: str | Path, mode: Literal["r", "r+"], storage_options: Mapping[str, Any] | None = None
+) -> zarr.Group:
+    """The Zarr v3 group at `url`. Raises zarr's GroupNotFoundError (or FileNotFoundError) where
+    nothing is, StoreAccessError where the location cannot be used: a missing bucket or refused
+    credentials read as "no group" to zarr, so the location is asked directly which it is."""
+    location = open_location(url, storage_options, read_only=mode == "r")
+    try:
+        try:
+            return zarr.open_group(store=location, mode=mode, zarr_format=3)
+        except zarr.errors.GroupNotFoundError:
+            first_key(location)
+            raise
+    except obstore.exceptions.BaseError as exc:
+        raise StoreAccessError(describe_failure(url, exc, storage_options)) from None
+
+
 @dataclass(frozen=True)
 class Manifest:
     """Everything a reader or a resume needs; kept in the group attributes under "manifest"."""
@@ -332,15 +349,7 @@ class Store:
     ) -> Store:
         """Raises zarr's GroupNotFoundError where no store is, StoreAccessError where the
         location cannot be used, StoreFormatError for anything else than a complete store."""
-        location = open_location(url, storage_options, read_only=mode == "r")
-        try:
-            try:
-                group = zarr.open_group(store=location, mode=mode, zarr_format=3)
-            except zarr.errors.GroupNotFoundError:
-                first_key(location)  # a missing bucket reads as "no group": say which it is
-                raise
-        except obstore.exceptions.BaseError as exc:
-            raise StoreAccessError(describe_failure(url, exc, storage_options)) from None
+        group = open_group(url, mode, storage_options)
         attrs = group.attrs.asdict()
         if "manifest" not in attrs:
             raise StoreFormatError(f"{url}: no manifest, not a hidden-state store")

@@ -56,9 +56,10 @@ from store.format import (
     Shard,
     Store,
     layout,
+    open_group,
     plan_digest,
 )
-from store.location import describe_failure, open_location
+from store.location import StoreAccessError, describe_failure
 
 CHECKS = ("manifest", "arrays", "layout", "commits", "plan", "chunks", "values", "recompute")
 BLOCK_BYTES = 128 << 20  # rows of one hidden array read at once by the values check
@@ -241,9 +242,10 @@ def open_store(
     """The store, or None with the reason reported (the store is then unreadable)."""
     where = f"attribute 'manifest' of {url}/zarr.json"
     try:
-        location = open_location(url, storage_options, read_only=True)
-        group = zarr.open_group(store=location, mode="r", zarr_format=3)
+        group = open_group(url, "r", storage_options)
         attrs = group.attrs.asdict()
+    except StoreAccessError as exc:  # no bucket, refused credentials, no endpoint
+        problems = [str(exc)]
     except Exception as exc:  # a missing path, unparseable zarr.json, not a group, ...
         problems = [
             f"cannot open as a Zarr v3 group: {describe_failure(url, exc, storage_options)}"

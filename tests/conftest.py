@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.s3_server import S3Server, s3_server
+from tools.s3_server import S3Server, s3_server
 from tools.tiny_models import ensure_models
 
 

@@ -31,8 +31,8 @@ from cluster.verify import verify
 from store.export import FORMATS, export
 from store.format import Store
 from store.reader import HiddenStatesDataset
-from tests.s3_server import SECRET_KEY, S3Server
 from tests.test_node_worker import assert_store_matches_reference
+from tools.s3_server import S3Server
 
 pytestmark = pytest.mark.slow
 
@@ -333,4 +333,4 @@ def test_a_job_on_s3_writes_every_sample_once_and_reads_verifies_and_exports_fro
     for fmt in FORMATS:
         result = export(url, tmp_path / fmt, fmt, storage_options=s3.options, say=log.append)
         assert result["files"] == len(reader) == len(rows)
-    assert SECRET_KEY not in "\n".join(log) + report.format()
+    assert s3.secret_access_key not in "\n".join(log) + report.format()

@@ -244,7 +244,7 @@ def test_a_directory_of_another_store_format_or_origin_is_refused(
         export(url, foreign, "specforge", say=lambda _: None)
 
 
-def test_cli_exits_0_on_success_and_1_on_errors(
+def test_cli_exits_0_on_success_1_on_errors_2_without_a_store(
     tmp_path: Path, store_url: tuple[str, list[int]], capsys: pytest.CaptureFixture
 ) -> None:
     url, visible = store_url
@@ -255,7 +255,7 @@ def test_cli_exits_0_on_success_and_1_on_errors(
     assert main(["--store", url, "--format", "speculators", "--out", str(out)]) == 1
     assert "another store or format" in capsys.readouterr().err
     missing = str(tmp_path / "missing.zarr")
-    assert main(["--store", missing, "--format", "specforge", "--out", str(out)]) == 1
+    assert main(["--store", missing, "--format", "specforge", "--out", str(out)]) == 2
     assert "does not exist" in capsys.readouterr().err
 
 

@@ -5,6 +5,10 @@ where the location cannot be used."""
 from __future__ import annotations
 
 import asyncio
+import json
+import os
+import subprocess
+import sys
 import threading
 import uuid
 from pathlib import Path
@@ -22,10 +26,11 @@ from store.format import Store
 from store.location import SinglePutObjectStore, StoreAccessError, open_location
 from store.reader import HiddenStatesDataset, HiddenStatesIterable
 from store.verify import verify_store
-from tests.s3_server import SECRET_KEY, S3Server, free_port
+from tests.test_cluster_job import job_config, write_prompts
 from tests.test_export import assert_same, exported_files
 from tests.test_store import as_input, keeper, new_store, other_bits, sample_bits
 from tests.test_verify import build_store, errors
+from tools.s3_server import S3Server, free_port
 
 
 def fresh_url(s3: S3Server) -> tuple[str, str]:
@@ -72,7 +77,7 @@ def test_a_store_on_s3_reads_verifies_and_exports_as_the_same_store_on_disk(
     s3.client().delete_object(Bucket=s3.bucket, Key=f"{prefix}/aux_hidden_states/c/5/0/0")
     report = verify_store(url, storage_options=s3.options, say=lambda _: None)
     assert errors(report, "chunks")[0].startswith("aux_hidden_states: chunk 5 (key ")
-    assert SECRET_KEY not in report.format()
+    assert s3.secret_access_key not in report.format()
 
 
 def test_every_chunk_is_one_put(s3: S3Server) -> None:
@@ -155,15 +160,19 @@ def test_unusable_locations_are_refused_naming_the_url_and_nothing_is_written(
 ) -> None:
     before = s3.keys()
     unreachable = {**s3.options, "endpoint": f"http://127.0.0.1:{free_port()}"}
+    wrong_secret = {**s3.options, "secret_access_key": f"wrong-{s3.secret_access_key}"}
+    unknown_key = {**s3.options, "access_key_id": "AKIAUNKNOWN000000000"}
     for url, options, reason in (
         ("s3://no-such-bucket/s.zarr", s3.options, "NoSuchBucket"),
         (s3.url("s.zarr"), unreachable, "error sending request"),
+        (s3.url("s.zarr"), wrong_secret, "SignatureDoesNotMatch"),
+        (s3.url("s.zarr"), unknown_key, "InvalidAccessKeyId"),
     ):
         with pytest.raises(StoreAccessError) as caught:
             new_store(url, storage_options=options)
         message = str(caught.value)
         assert message.startswith(f"{url}: ") and reason in message, message
-        assert SECRET_KEY not in message
+        assert s3.secret_access_key not in message, message
         with pytest.raises(StoreAccessError, match=f"^{url}: "):
             Store.open(url, storage_options=options)
     assert s3.keys() == before
@@ -172,3 +181,54 @@ def test_unusable_locations_are_refused_naming_the_url_and_nothing_is_written(
     with pytest.raises(StoreAccessError, match=r"other: not empty .*'notes.txt'"):
         new_store(s3.url("other"), storage_options=s3.options)
     assert s3.keys("other") == ["other/notes.txt"]
+
+
+def test_every_command_exits_2_on_an_unusable_location_naming_the_url_without_secrets(
+    s3: S3Server, deepseek_path: Path, tmp_path: Path
+) -> None:
+    """`run`, `verify` and `export`, configured as a node is (the `AWS_*` environment): a bucket
+    that does not exist, refused credentials, no endpoint, a prefix holding something else."""
+    s3.client().put_object(Bucket=s3.bucket, Key="taken/notes.txt", Body=b"not a store")
+    before = s3.keys()
+    write_prompts(tmp_path / "prompts.jsonl", 3)
+    config = job_config(deepseek_path, tmp_path / "prompts.jsonl", tmp_path / "unused", tmp_path)
+    (tmp_path / "job.yaml").write_text(json.dumps(config))  # JSON is YAML
+    good = s3.environment
+    cases = {
+        "no bucket": ("s3://no-such-bucket/s.zarr", good, "NoSuchBucket"),
+        "wrong secret": (
+            s3.url("s.zarr"),
+            {**good, "AWS_SECRET_ACCESS_KEY": f"wrong-{s3.secret_access_key}"},
+            "SignatureDoesNotMatch",
+        ),
+        "no endpoint": (
+            s3.url("s.zarr"),
+            {**good, "AWS_ENDPOINT_URL": f"http://127.0.0.1:{free_port()}"},
+            "error sending request",
+        ),
+        "taken prefix": (s3.url("taken"), good, ""),
+    }
+    commands = {
+        "run": ["run", "--config", str(tmp_path / "job.yaml"), "--store"],
+        "verify": ["verify", "--store"],
+        "export": ["export", "--format", "specforge", "--out", str(tmp_path / "x"), "--store"],
+    }
+    base_env = {k: v for k, v in os.environ.items() if not k.startswith("AWS_")}
+    running = {
+        (case, command): subprocess.Popen(
+            [sys.executable, "-m", "cluster", *argv, url],
+            env={**base_env, **env},
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        for case, (url, env, _) in cases.items()
+        for command, argv in commands.items()
+    }
+    for (case, command), process in running.items():
+        output, _ = process.communicate(timeout=300)
+        url, env, reason = cases[case]
+        assert process.returncode == 2, (case, command, output)
+        assert f"{url}: " in output and reason in output, (case, command, output)
+        assert env["AWS_SECRET_ACCESS_KEY"] not in output, (case, command)
+    assert s3.keys() == before  # nothing written anywhere
