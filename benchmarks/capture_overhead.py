@@ -2,9 +2,9 @@
 
 One server (SGLang's aux capture flags, our plugin dumping to /dev/shm), so flags, weights and
 process are identical: "capture on" rounds send rids with the capture prefix, "capture off"
-rounds send rids without it, which the plugin skips. Rounds alternate; a captured request
-counts as done only once its dump is published. Model: the llama-bench preset (hidden 512,
-8 layers).
+rounds send rids without it, which the plugin skips. A captured request counts as done only
+once its dump is published. Rounds alternate (benchmarks/rounds.py); the value is the median of
+the per-round ratios. Model: the llama-bench preset (hidden 512, 8 layers).
 
     make bench BENCH=capture_overhead
 """
@@ -12,8 +12,8 @@ counts as done only once its dump is published. Model: the llama-bench preset (h
 from __future__ import annotations
 
 import argparse
+import itertools
 import shutil
-import statistics
 import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -24,6 +24,7 @@ import torch
 
 from actors.capture_client import generate_and_capture, wait_for_dump
 from actors.sglang_server import ServerSpec, SGLangServer
+from benchmarks.rounds import alternate
 from patches.dump_files import release_dump
 from patches.settings import CaptureSettings
 from tools.tiny_models import ensure_models
@@ -78,37 +79,28 @@ def main() -> None:
     capture = CaptureSettings.from_env(
         {"HIDDEN_CAPTURE_DIR": str(work / "dumps"), "HIDDEN_CAPTURE_RID_PREFIX": RID_PREFIX}
     )
-    results: dict[str, list[float]] = {"capture off": [], "capture on": []}
+    off_rounds = itertools.count()  # fresh rids each round: nothing served from a cache
     try:
         with SGLangServer(
             ServerSpec(model_path=model, capture=capture), work / "server.log"
         ) as server:
             for prefix in (RID_PREFIX, "warmup-"):
                 prefill_tokens_per_s(server.url, prompts[: args.inflight], args.inflight, prefix)
-            # Alternate rounds so drift on a shared machine hits both sides alike.
-            for r in range(args.rounds):
-                for name, prefix in (("capture off", f"off{r}-"), ("capture on", RID_PREFIX)):
-                    results[name].append(
-                        prefill_tokens_per_s(server.url, prompts, args.inflight, prefix)
-                    )
+            rounds = alternate(
+                baseline=lambda: prefill_tokens_per_s(
+                    server.url, prompts, args.inflight, f"off{next(off_rounds)}-"
+                ),
+                measured=lambda: prefill_tokens_per_s(
+                    server.url, prompts, args.inflight, RID_PREFIX
+                ),
+                rounds=args.rounds,
+            )
     finally:
         shutil.rmtree(work, ignore_errors=True)
 
-    # Best of the alternating rounds: on a shared 2-core machine the slow rounds measure the
-    # neighbours, not the server; the best round of each side is its uncontended throughput.
-    best = {name: max(values) for name, values in results.items()}
-    ratio = best["capture on"] / best["capture off"]
     print(f"{args.prompts} prompts x {args.length} tokens, {args.inflight} in flight")
-    print(f"prefill tokens/s, best of {args.rounds} alternating rounds:")
-    for name, value in best.items():
-        rounds = " ".join(f"{v:.0f}" for v in results[name])
-        print(f"  {name:12s} {value:10.0f}   ({rounds})")
-    medians = {name: statistics.median(values) for name, values in results.items()}
-    print(f"  ratio        {ratio:10.3f}  (target >= {TARGET})")
-    print(
-        f"  ratio of medians {medians['capture on'] / medians['capture off']:6.3f}  (for context)"
-    )
-    print(f"RESULT name=capture_overhead value={ratio:.3f} target={TARGET} unit=ratio")
+    rounds.show("tokens/s", baseline="capture off", measured="capture on")
+    print(rounds.result_line("capture_overhead", TARGET))
 
 
 if __name__ == "__main__":

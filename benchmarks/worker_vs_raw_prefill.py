@@ -5,7 +5,9 @@ with the worker's own flags, using rids the plugin does not capture. Worker: a N
 local Ray leases the shards of a store planned from the same prompts and runs them end to end
 (its own server, calibration, K in flight, dumps on /dev/shm read and verified, store writes,
 commits); its tokens/s counts from its first lease to its last commit, with the store on the
-repo's disk (.cache/). Rounds alternate; best of each.
+repo's disk (.cache/). Each side starts its own server every round (an idle server still takes
+CPU on 2 cores, so none is left running); rounds alternate (benchmarks/rounds.py) and the value
+is the median of the per-round ratios.
 
     make bench BENCH=worker_vs_raw_prefill
 """
@@ -26,6 +28,7 @@ import torch
 
 from actors.node_worker import NodeWorker, WorkerConfig
 from actors.sglang_server import ServerSpec, SGLangServer
+from benchmarks.rounds import alternate
 from cluster.shard_queue import ShardQueueActor
 from patches.settings import CaptureSettings
 from store.format import create_store, make_manifest
@@ -89,11 +92,11 @@ def worker_tokens_per_s(
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--prompts", type=int, default=64)
+    parser.add_argument("--prompts", type=int, default=48)
     parser.add_argument("--length", type=int, default=512)
     parser.add_argument("--inflight", type=int, default=8)
     parser.add_argument("--per-shard", type=int, default=32)
-    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--models", type=Path, default=Path(".cache/models"))
     args = parser.parse_args()
 
@@ -103,27 +106,23 @@ def main() -> None:
         torch.randint(10, 1024, (args.length,), generator=g).tolist() for _ in range(args.prompts)
     ]
     work = Path(tempfile.mkdtemp(prefix="worker_vs_raw-", dir="/dev/shm"))
-    raw, extraction = [], []
+    tags = iter(range(2 * args.rounds))
     ray.init(address="local", num_cpus=2, resources={"sglang_node": 1}, include_dashboard=False)
     try:
-        for r in range(args.rounds):
-            raw.append(raw_prefill_tokens_per_s(model, prompts, args.inflight, work, f"r{r}"))
-            extraction.append(worker_tokens_per_s(model, prompts, args, work, f"r{r}"))
+        rounds = alternate(
+            baseline=lambda: raw_prefill_tokens_per_s(
+                model, prompts, args.inflight, work, f"r{next(tags)}"
+            ),
+            measured=lambda: worker_tokens_per_s(model, prompts, args, work, f"r{next(tags)}"),
+            rounds=args.rounds,
+        )
     finally:
         ray.shutdown()
         shutil.rmtree(work, ignore_errors=True)
 
-    ratio = max(extraction) / max(raw)
     print(f"{args.prompts} prompts x {args.length} tokens, K={args.inflight} in flight")
-    print(
-        f"  raw prefill   {max(raw):8.0f} tokens/s  (rounds: {' '.join(f'{v:.0f}' for v in raw)})"
-    )
-    print(
-        f"  worker        {max(extraction):8.0f} tokens/s  "
-        f"(rounds: {' '.join(f'{v:.0f}' for v in extraction)})"
-    )
-    print(f"  ratio         {ratio:8.3f}  (target >= {TARGET})")
-    print(f"RESULT name=worker_vs_raw_prefill value={ratio:.3f} target={TARGET} unit=ratio")
+    rounds.show("tokens/s", baseline="raw prefill", measured="worker")
+    print(rounds.result_line("worker_vs_raw_prefill", TARGET))
 
 
 if __name__ == "__main__":

@@ -3,6 +3,7 @@ runs, no Ray."""
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import matplotlib.image
@@ -19,6 +20,7 @@ from benchmarks.report import (
     to_row,
     write_report,
 )
+from benchmarks.rounds import alternate
 
 OUTPUTS = {
     "fast_one": "warming up\nbaseline 5.3 GB/s\nRESULT name=fast_one value=2.9 target=2 unit=GB/s",
@@ -96,3 +98,21 @@ def test_write_report_writes_both_files(tmp_path: Path) -> None:
     md, png = write_report(tmp_path / "bench", rows, skipped, machine=MACHINE)
     assert md.read_text() == render_markdown(rows, skipped, MACHINE)
     assert png.read_bytes()[:4] == b"\x89PNG"
+
+
+def test_rounds_alternate_the_order_and_take_the_median_of_per_round_ratios() -> None:
+    calls: list[str] = []
+    base_rates = iter([10.0, 10.0, 10.0, 20.0, 10.0])
+    ours_rates = iter([9.0, 8.0, 7.0, 2.0, 9.5])
+
+    def side(name: str, rates: Iterator[float]) -> Callable[[], float]:
+        return lambda: calls.append(name) or next(rates)
+
+    rounds = alternate(side("base", base_rates), side("ours", ours_rates), rounds=5)
+    assert calls == ["base", "ours", "ours", "base", "base", "ours", "ours", "base", "base", "ours"]
+    assert rounds.ratios == [0.9, 0.8, 0.7, 0.1, 0.95]
+    assert rounds.median == 0.8  # one disturbed round does not move it
+    assert rounds.spread == pytest.approx((0.95 - 0.1) / 0.8)
+    assert rounds.result_line("x", 0.8) == "RESULT name=x value=0.800 target=0.8 unit=ratio"
+    with pytest.raises(ValueError, match="at least 5 rounds"):
+        alternate(lambda: 1.0, lambda: 1.0, rounds=4)

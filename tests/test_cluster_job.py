@@ -186,11 +186,36 @@ def test_a_killed_worker_is_replaced_and_the_job_completes_exactly_once(
     assert_store_matches_reference(store, deepseek_path, list(range(len(store.shards))))
 
 
-def store_committed(url: Path) -> int:
+def store_committed(url: Path | str, storage_options: dict[str, Any] | None = None) -> int:
     try:
-        return int(Store.open(url).committed().sum())
+        return int(Store.open(url, storage_options=storage_options).committed().sum())
     except Exception:  # not created yet
         return 0
+
+
+def start_driver(config: Path, ray_address: str, log: Path) -> subprocess.Popen[bytes]:
+    """`python -m cluster run` as `ray job submit` starts it, its output kept in `log`."""
+    with log.open("wb") as out:
+        return subprocess.Popen(
+            [sys.executable, "-m", "cluster", "run", "--config", str(config)],
+            env={**os.environ, "RAY_ADDRESS": ray_address},
+            stdout=out,
+            stderr=subprocess.STDOUT,
+        )
+
+
+def kill_after_commits(
+    driver: subprocess.Popen[bytes], url: Path | str, commits: int, **open_args: Any
+) -> dict[int, dict[str, Any]]:
+    """SIGKILL the driver once `commits` shards are committed; the committed shards' summaries."""
+    deadline = time.monotonic() + 400
+    while store_committed(url, **open_args) < commits:
+        assert time.monotonic() < deadline and driver.poll() is None, "no shard was committed"
+        time.sleep(0.2)
+    driver.send_signal(signal.SIGKILL)
+    driver.wait()
+    store = Store.open(url, **open_args)
+    return {k: store.summary(k) for k in np.flatnonzero(store.committed()).tolist()}
 
 
 def test_a_stopped_driver_resumes_skipping_committed_shards_and_refuses_another_job(
@@ -199,21 +224,9 @@ def test_a_stopped_driver_resumes_skipping_committed_shards_and_refuses_another_
     rows = write_prompts(tmp_path / "prompts.jsonl", 30)
     raw = job_config(deepseek_path, tmp_path / "prompts.jsonl", tmp_path / "s.zarr", tmp_path)
     (tmp_path / "job.yaml").write_text(yaml.safe_dump(raw))
-    first = subprocess.Popen(
-        [sys.executable, "-m", "cluster", "run", "--config", str(tmp_path / "job.yaml")],
-        env={**os.environ, "RAY_ADDRESS": two_nodes.address},
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
-    deadline = time.monotonic() + 400
-    while store_committed(tmp_path / "s.zarr") < 2:
-        assert time.monotonic() < deadline and first.poll() is None, "no shard was committed"
-        time.sleep(0.2)
-    first.send_signal(signal.SIGKILL)
-    first.wait()
-    store = Store.open(tmp_path / "s.zarr")
-    before = {k: store.summary(k) for k in np.flatnonzero(store.committed()).tolist()}
-    assert 2 <= len(before) < len(store.shards)
+    first = start_driver(tmp_path / "job.yaml", two_nodes.address, tmp_path / "driver.log")
+    before = kill_after_commits(first, tmp_path / "s.zarr", 2)
+    assert 2 <= len(before) < 10
 
     assert run_job(JobConfig.model_validate(raw), say=lambda _: None) == 0
 
@@ -304,20 +317,26 @@ def test_a_store_whose_creation_was_interrupted_is_created_anew(
     assert Store.open(url).num_samples == len(rows)
 
 
-def test_a_job_on_s3_writes_every_sample_once_and_reads_verifies_and_exports_from_there(
+def test_a_job_on_s3_resumes_after_the_driver_is_killed_and_reads_verifies_and_exports_there(
     two_nodes: Cluster, deepseek_path: Path, tmp_path: Path, s3: S3Server
 ) -> None:
-    rows = write_prompts(tmp_path / "prompts.jsonl", 8)
+    rows = write_prompts(tmp_path / "prompts.jsonl", 15)
     url = s3.url(f"{tmp_path.name}/s.zarr")
     raw = job_config(deepseek_path, tmp_path / "prompts.jsonl", url, tmp_path)
     raw["store"]["storage_options"] = s3.options
-    log: list[str] = []
+    (tmp_path / "job.yaml").write_text(yaml.safe_dump(raw))
+    first = start_driver(tmp_path / "job.yaml", two_nodes.address, tmp_path / "driver.log")
+    before = kill_after_commits(first, url, 1, storage_options=s3.options)
+    assert 1 <= len(before) < 5
+    log = [(tmp_path / "driver.log").read_text()]
 
     assert run_job(parse_config(raw), say=log.append) == 0
 
     assert not list(tmp_path.rglob("zarr.json")), "nothing of the store is on local disk"
     store = Store.open(url, storage_options=s3.options)
     assert_exactly_once(store, rows, deepseek_path)
+    assert {k: store.summary(k) for k in before} == before, "committed shards were not redone"
+    assert store.group.attrs["report"]["run"]["resumed"]
     assert_store_matches_reference(store, deepseek_path, [0, len(store.shards) - 1])
     report = verify(
         url,

@@ -11,6 +11,7 @@ import requests
 
 from store.format import Store
 from tools import demo
+from tools.s3_server import S3Server
 
 pytestmark = pytest.mark.slow
 
@@ -35,3 +36,23 @@ def test_ray_job_submit_runs_the_demo_job_end_to_end(
     address = next(w for w in out.split() if w.startswith("http://127.0.0.1:"))
     with pytest.raises(requests.ConnectionError):
         requests.get(f"{address}/api/jobs/", timeout=5)
+
+
+def test_the_demo_job_on_s3_reaches_its_store_through_the_environment_alone(
+    models_dir: Path, tmp_path: Path, s3: S3Server, capfd: pytest.CaptureFixture
+) -> None:
+    """As on a cluster without a shared filesystem: the endpoint and credentials are in the
+    environment the Ray head starts with (so its workers and the job have them), not in the
+    job's config."""
+    url = s3.url(f"{tmp_path.name}/demo.zarr")
+    with pytest.MonkeyPatch.context() as env:
+        for name, value in s3.environment.items():
+            env.setenv(name, value)
+        status = demo.main(["--models", str(models_dir), "--out", str(tmp_path), "--store", url])
+    out = capfd.readouterr().out
+
+    assert status == 0, out[-5000:]
+    store = Store.open(url, storage_options=s3.options)
+    assert store.committed().all() and store.group.attrs["report"]["ok"]
+    assert not list(tmp_path.rglob("zarr.json")), "nothing of the store is on local disk"
+    assert s3.secret_access_key not in out
