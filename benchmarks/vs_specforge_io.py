@@ -43,6 +43,14 @@ Rows are Kimi-shaped (3 aux layers x hidden 7168, bf16, 256-2048 tokens per samp
 dirs are under the current directory. Rates are per round, alternating order (benchmarks/rounds);
 RESULT value = min(write ratio / 1.5, cold-read ratio / 1.1, dd ratio / 0.85).
 
+Default 32 samples (2 GB), not the issue's 64: here 64 (4 GB) ran 12 minutes, the disk reading
+0.35-1 GB/s cold and 4 GB of writes going past the dirty-page limit, so both writers wait on the
+disk (ratio ~0.8 then); 2 GB stays in the page cache and the run takes ~2.5 minutes.
+Measured here (2 cores, shared), three runs in a row: write 0.38 / 0.47 / 0.52 (ours slower:
+the serial finiteness scan in verify_dump and ShardWriter's own rate), cold read vs SpecForge
+1.35 / 1.28 / 1.64, vs dd 1.42 / 1.21 / 1.28 (dd is one process per 44 MB file and counts the
+padding; ours reads payload rows only), bytes per token +3.80% (16 samples per shard).
+
     make bench BENCH=vs_specforge_io
     .venv/bin/python -m benchmarks.vs_specforge_io --samples 32 --rounds 5
 """
