@@ -8,6 +8,7 @@ PY := $(VENV)/bin/python
 PIP := $(PY) -m pip --disable-pip-version-check -q
 STAMP := $(VENV)/.setup-done
 SETUP_INPUTS := Makefile pyproject.toml requirements/sglang-cpu.lock.txt requirements/project.txt \
+	requirements/bench.txt \
 	shims/sgl_kernel/pyproject.toml $(wildcard shims/sgl_kernel/src/sgl_kernel/*.py)
 BENCH ?=
 
@@ -16,13 +17,15 @@ BENCH ?=
 setup: $(STAMP)
 
 # Order matters: SGLang's CPU dependency lock first, then sglang itself without its (CUDA)
-# dependencies, then ours, then the import-only sgl_kernel shim, then this project (editable,
-# which registers the plugin's `sglang.srt.plugins` entry point).
+# dependencies, then ours, then the benchmarks' peer (SpecForge, without the torch/sglang it
+# pins), then the import-only sgl_kernel shim, then this project (editable, which registers the
+# plugin's `sglang.srt.plugins` entry point).
 $(STAMP): $(SETUP_INPUTS)
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PIP) install -r requirements/sglang-cpu.lock.txt
 	$(PIP) install --no-deps sglang==0.5.23
 	$(PIP) install -r requirements/project.txt
+	$(PIP) install --no-deps -r requirements/bench.txt
 	rm -rf shims/sgl_kernel/build
 	$(PIP) install --no-deps --force-reinstall ./shims/sgl_kernel
 	$(PIP) install --no-deps --no-build-isolation -e .

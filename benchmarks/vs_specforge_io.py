@@ -37,7 +37,11 @@ Pages are dropped with posix_fadvise(DONTNEED) per file after a sync, not via
 on this machine; `fincore` (util-linux), where present, confirms nothing stays resident.
 
 BYTES PER TOKEN: our store's bytes on disk (every file) per token vs the payload
-(num_aux + 1) * H * 2; printed, not part of the value (the padding of each shard's last chunk).
+(num_aux + 1) * H * 2, at the job's default shard size (64 samples); printed, not part of the
+value. What is over is the padding of each shard's last chunk (shards start on chunk boundaries,
+so every chunk has one writer), half a chunk per shard on average: the store written here has one
+or two shards, so the figure that carries over is also projected with `store.format.layout` over
+10,000 samples of the same length distribution (the written store's padding checks the formula).
 
 Rows are Kimi-shaped (3 aux layers x hidden 7168, bf16, 256-2048 tokens per sample); the temp
 dirs are under the current directory. Rates are per round, alternating order (benchmarks/rounds);
@@ -49,7 +53,7 @@ disk (ratio ~0.8 then); 2 GB stays in the page cache and the run takes ~2.5 minu
 Measured here (2 cores, shared), three runs in a row: write 0.38 / 0.47 / 0.52 (ours slower:
 the serial finiteness scan in verify_dump and ShardWriter's own rate), cold read vs SpecForge
 1.35 / 1.28 / 1.64, vs dd 1.42 / 1.21 / 1.28 (dd is one process per 44 MB file and counts the
-padding; ours reads payload rows only), bytes per token +3.80% (16 samples per shard).
+padding; ours reads payload rows only), bytes per token +3.80% (at 16 samples per shard).
 
     make bench BENCH=vs_specforge_io
     .venv/bin/python -m benchmarks.vs_specforge_io --samples 32 --rounds 5
@@ -75,7 +79,8 @@ from actors.calibration import Calibration
 from actors.dump_verify import verify_dump
 from actors.shard_writer import ShardWriter
 from benchmarks.rounds import Rounds, alternate
-from store.format import HIDDEN_ARRAYS, Store, create_store, make_manifest
+from cluster.config import StoreConfig
+from store.format import HIDDEN_ARRAYS, Store, create_store, layout, make_manifest
 from store.reader import HiddenStatesIterable
 
 try:  # the peer's reader, imported from its release (requirements/bench.txt)
@@ -92,6 +97,7 @@ WRITE_TARGET, PEER_READ_TARGET, DD_TARGET = 1.5, 1.1, 0.85
 PEER_FILE_GROUP = 2000  # HiddenStatesGenerator.file_group_size
 PEER_IO_QUEUE = 50  # HiddenStatesGenerator.io_queue_size
 PEER_LOADER_WORKERS = 4  # eagle3's default_dataloader_num_workers
+JOB_SAMPLES_PER_SHARD = StoreConfig.model_fields["samples_per_shard"].default
 
 
 class Sample:
@@ -284,6 +290,12 @@ def dd_seconds(paths: list[Path]) -> float:
     return time.perf_counter() - start
 
 
+def padding_rows(lengths: Any, samples_per_shard: int, chunk_tokens: int) -> int:
+    """Rows stored beyond the samples' own: each shard's last chunk is padded to its end."""
+    _, shards, total = layout(lengths, samples_per_shard, chunk_tokens)
+    return total - sum(sh.token_end - sh.token_begin for sh in shards)
+
+
 def timed(fn: Any, *args: Any) -> tuple[float, Any]:
     start = time.perf_counter()
     out = fn(*args)
@@ -302,7 +314,7 @@ def main() -> None:
     parser.add_argument("--max-len", type=int, default=2048)
     parser.add_argument("--num-aux", type=int, default=3)
     parser.add_argument("--hidden", type=int, default=7168)
-    parser.add_argument("--samples-per-shard", type=int, default=16)
+    parser.add_argument("--samples-per-shard", type=int, default=JOB_SAMPLES_PER_SHARD)
     parser.add_argument("--num-io-threads", type=int, default=os.cpu_count() or 1)
     parser.add_argument("--rounds", type=int, default=5)
     args = parser.parse_args()
@@ -377,6 +389,7 @@ def main() -> None:
         store = Store.open(url)
         c = store.manifest.chunk_tokens
         padded_tokens = sum(-(-sh.token_end // c) * c - sh.token_end for sh in store.shards)
+        assert padded_tokens == padding_rows(store.sample_length, args.samples_per_shard, c)
 
     if before is not None:
         print(
@@ -393,6 +406,12 @@ def main() -> None:
         f"of {tokens}, chunk_tokens {c}, "
         f"{args.samples_per_shard} samples/shard); specforge "
         f"{peer_on_disk / tokens:.0f} B ({peer_on_disk / tokens / row - 1:+.2%})"
+    )
+    lengths = torch.randint(args.min_len, args.max_len + 1, (10_000,), generator=torch.Generator())
+    projected = padding_rows(lengths.numpy(), args.samples_per_shard, c) / int(lengths.sum())
+    print(
+        f"  projected over 10,000 samples at {args.samples_per_shard} samples/shard: "
+        f"{projected:+.2%} (target within 1%)"
     )
     ratios = {
         "write": write.median / WRITE_TARGET,
