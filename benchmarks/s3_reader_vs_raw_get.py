@@ -88,7 +88,7 @@ def main() -> None:
     parser.add_argument("--samples", type=int, default=8)
     parser.add_argument("--num-aux", type=int, default=3)
     parser.add_argument("--hidden", type=int, default=7168)
-    parser.add_argument("--rounds", type=int, default=11)
+    parser.add_argument("--rounds", type=int, default=15)
     args = parser.parse_args()
     with s3_server() as s3, tempfile.TemporaryDirectory(prefix=".bench-s3-reader-") as tmp:
         url = s3.url("bench.zarr")

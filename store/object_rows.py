@@ -98,7 +98,9 @@ class _ChunkSource:
 
 
 class RemoteRows:
-    """Rows of several arrays chunked alike along their first axis, read from object storage."""
+    """Rows of several arrays chunked alike along their first axis, read from object storage.
+    Memory while iterating `blocks`: the chunks of the blocks fetched ahead (about
+    `prefetch_bytes`, at least the next block's), those blocks' buffers, and the caller's."""
 
     def __init__(
         self,
