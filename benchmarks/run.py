@@ -19,7 +19,7 @@ from benchmarks.report import parse_result, parse_skip, to_row, write_report
 
 HERE = Path(__file__).parent
 OUT = HERE.parent / "out" / "bench"
-NOT_BENCHMARKS = {"__init__", "run", "report", "rounds"}
+NOT_BENCHMARKS = {"__init__", "run", "report", "rounds"}  # helpers, not benchmarks
 
 __all__ = ["main", "parse_result"]
 

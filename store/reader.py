@@ -14,13 +14,17 @@ The set of visible samples is fixed when the reader is built (a snapshot of the 
 and sample statuses): samples of uncommitted shards, and failed samples, are never returned.
 The store itself is opened lazily in each process (DataLoader workers get the reader pickled
 without its handle), and refused if its schema version is unknown (`StoreFormatError`).
+A store on object storage cannot be read in a forked DataLoader worker (use 'spawn').
+
+Local uncompressed chunks are read straight from their files (`_DirectRows`); remote chunks are
+fetched whole, concurrently and ahead of the consumer (store/object_rows.py).
 """
 
 from __future__ import annotations
 
 import os
 import sys
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -31,33 +35,13 @@ from torch.utils.data import Dataset, IterableDataset, get_worker_info
 from zarr.codecs import BytesCodec
 from zarr.storage import LocalStore
 
+from store.buffers import RecycledBuffers as _RecycledBuffers
 from store.format import HIDDEN_ARRAYS, STATUS_WRITTEN, Manifest, Shard, Store
 from store.location import is_remote
+from store.object_rows import CONCURRENCY, PREFETCH_BYTES, Block, RemoteRows
 
 Sample = dict[str, Any]
 TOKEN_ARRAYS = ("input_ids", "loss_mask", *HIDDEN_ARRAYS)
-
-
-class _RecycledBuffers:
-    """Read buffers handed out again once nothing refers to them any more. Samples are views
-    of a block's buffer, so a buffer is free exactly when no sample (tensor or array) holds it:
-    its reference count tells. Fresh memory costs a page fault per 4 KiB, which measured here
-    at ~40% of a warm read; a consumer that keeps its samples simply gets new buffers."""
-
-    def __init__(self, keep: int = 4) -> None:
-        self._buffers: list[np.ndarray] = []
-        self._keep = keep
-
-    def take(self, shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
-        rows = shape[0]
-        for buf in self._buffers:
-            # References: the list, `buf`, getrefcount's argument; any more is a live sample.
-            if sys.getrefcount(buf) == 3 and buf.shape[0] >= rows and buf.shape[1:] == shape[1:]:
-                return buf[:rows]
-        # Room for up to twice the rows, so that blocks of other sizes can use it later.
-        buf = np.empty((1 << (rows - 1).bit_length(), *shape[1:]), dtype)
-        self._buffers = [*self._buffers[1 - self._keep :], buf]  # the most recent ones
-        return buf[:rows]
 
 
 class _DirectRows:
@@ -113,8 +97,15 @@ def _row_reader(array: zarr.Array) -> Callable[[int, int], np.ndarray]:
 class _StoreView:
     """What both readers share: the visible samples and a per-process store handle."""
 
-    def __init__(self, url: str, storage_options: Mapping[str, Any] | None) -> None:
+    def __init__(
+        self,
+        url: str,
+        storage_options: Mapping[str, Any] | None,
+        concurrency: int = CONCURRENCY,
+        prefetch_bytes: int = PREFETCH_BYTES,
+    ) -> None:
         self.url, self.storage_options = str(url), storage_options
+        self.concurrency, self.prefetch_bytes = concurrency, prefetch_bytes
         store = Store.open(self.url, storage_options=storage_options)
         self.manifest: Manifest = store.manifest
         committed = store.committed()
@@ -134,9 +125,10 @@ class _StoreView:
         self._store: Store | None = store
         self._opened_by = os.getpid()
         self._readers: dict[str, Callable[[int, int], np.ndarray]] | None = None
+        self._remote: RemoteRows | None = None
 
     def __getstate__(self) -> dict[str, Any]:
-        return {**self.__dict__, "_store": None, "_readers": None}  # per process
+        return {**self.__dict__, "_store": None, "_readers": None, "_remote": None}  # per process
 
     @property
     def store(self) -> Store:
@@ -153,11 +145,33 @@ class _StoreView:
             self._opened_by = os.getpid()
         return self._store
 
+    def _remote_rows(self) -> RemoteRows | None:
+        """The object-storage reader of a remote store (None for a local one)."""
+        store = self.store  # first: refuses a forked copy of a remote store
+        if self._remote is None and is_remote(self.url):
+            arrays = {name: store.group[name] for name in TOKEN_ARRAYS}
+            self._remote = RemoteRows(arrays, self.concurrency, self.prefetch_bytes)
+        return self._remote
+
     def read_rows(self, begin: int, end: int) -> dict[str, np.ndarray]:
-        """Rows [begin, end) of every token-major array: one contiguous read each."""
+        """Rows [begin, end) of every token-major array: one contiguous read each (remote:
+        their chunks fetched concurrently)."""
+        remote = self._remote_rows()
+        if remote is not None:
+            return remote.read(begin, end)
         if self._readers is None:  # array handles once: each lookup reads its metadata
             self._readers = {name: _row_reader(self.store.group[name]) for name in TOKEN_ARRAYS}
         return {name: read(begin, end) for name, read in self._readers.items()}
+
+    def read_blocks(self, blocks: Iterable[Block]) -> Iterator[tuple[Block, dict[str, np.ndarray]]]:
+        """Each block with its rows, in order: local ones read one after the other (the page
+        cache reads ahead), remote ones fetched ahead of the caller."""
+        remote = self._remote_rows()
+        if remote is not None:
+            yield from remote.blocks(blocks)
+            return
+        for block in blocks:
+            yield block, self.read_rows(block.begin, block.end)
 
     def sample(self, i: int, rows: dict[str, np.ndarray], offset: int) -> Sample:
         """Sample i out of rows read from `offset` on."""
@@ -219,7 +233,11 @@ class HiddenStatesIterable(_VisibleSamples, IterableDataset):
     most `block_bytes` (one read per array per block; a larger sample is a block of its own),
     so memory stays bounded; 16 MB blocks read fastest here (malloc reuses their memory, where
     larger ones are mapped afresh and page-faulted in). `shuffle`
-    permutes the shard order per `epoch` (same on every rank: set `epoch` before each one)."""
+    permutes the shard order per `epoch` (same on every rank: set `epoch` before each one).
+
+    On object storage, the chunk objects of the next blocks are fetched while the consumer
+    works on the current one (store/object_rows.py): at most `concurrency` GETs in flight and
+    about `prefetch_bytes` of chunks ahead (at least the next block's), each chunk fetched once."""
 
     def __init__(
         self,
@@ -231,8 +249,10 @@ class HiddenStatesIterable(_VisibleSamples, IterableDataset):
         seed: int = 0,
         block_bytes: int = 16 << 20,
         storage_options: Mapping[str, Any] | None = None,
+        concurrency: int = CONCURRENCY,
+        prefetch_bytes: int = PREFETCH_BYTES,
     ) -> None:
-        self._view = _StoreView(url, storage_options)
+        self._view = _StoreView(url, storage_options, concurrency, prefetch_bytes)
         self.rank, self.world_size = rank, world_size
         self.shuffle, self.seed, self.epoch = shuffle, seed, 0
         self.block_bytes = block_bytes
@@ -256,16 +276,29 @@ class HiddenStatesIterable(_VisibleSamples, IterableDataset):
         if self.shuffle:
             order = np.random.default_rng((self.seed, self.epoch)).permutation(order)
         visible = set(self._view.visible.tolist())
-        for k in order[me::consumers]:
-            yield from self._shard_samples(self._view.shards[int(k)], visible)
+        shards = (self._view.shards[int(k)] for k in order[me::consumers])
+        blocks = (
+            block
+            for shard in shards
+            for block in self._blocks(shard)
+            if any(n in visible for n in range(*block.tag))  # not only failed samples
+        )
+        for block, rows in self._view.read_blocks(blocks):
+            first, stop = block.tag
+            for n in range(first, stop):
+                if n in visible:
+                    yield self._view.sample(n, rows, block.begin)
+            del rows  # its buffers are free once the consumer lets go of the samples
 
-    def _shard_samples(self, shard: Shard, visible: set[int]) -> Iterator[Sample]:
+    def _blocks(self, shard: Shard) -> Iterator[Block]:
+        """The shard's blocks: rows of samples [first, stop) as `tag`, grown by whole samples
+        while they fit in block_bytes (at least one sample)."""
         v, m = self._view, self._view.manifest
         row_bytes = (m.num_aux + 1) * m.hidden_size * (2 if m.dtype == "bfloat16" else 4)
         i = shard.sample_begin
         while i < shard.sample_end:
             begin = int(v.sample_start[i])
-            j = i + 1  # grow the block by whole samples while it fits (at least one sample)
+            j = i + 1
             while (
                 j < shard.sample_end
                 and (int(v.sample_start[j] + v.sample_length[j]) - begin) * row_bytes
@@ -273,8 +306,5 @@ class HiddenStatesIterable(_VisibleSamples, IterableDataset):
             ):
                 j += 1
             end = int(v.sample_start[j - 1] + v.sample_length[j - 1])
-            rows = v.read_rows(begin, end)
-            for n in range(i, j):
-                if n in visible:
-                    yield v.sample(n, rows, begin)
+            yield Block(begin, end, (i, j))
             i = j

@@ -10,6 +10,7 @@ import os
 import subprocess
 import sys
 import threading
+import time
 import uuid
 from pathlib import Path
 
@@ -24,11 +25,13 @@ from cluster.shard_queue import ShardQueue
 from store.export import FORMATS, export
 from store.format import Store
 from store.location import SinglePutObjectStore, StoreAccessError, open_location
-from store.reader import HiddenStatesDataset, HiddenStatesIterable
+from store.object_rows import _ChunkSource
+from store.reader import TOKEN_ARRAYS, HiddenStatesDataset, HiddenStatesIterable
 from store.verify import verify_store
 from tests.test_cluster_job import job_config, write_prompts
 from tests.test_export import assert_same, exported_files
-from tests.test_store import as_input, keeper, new_store, other_bits, sample_bits
+from tests.test_reader import partly_written_store
+from tests.test_store import as_input, keeper, new_store, other_bits, plan, sample_bits
 from tests.test_verify import build_store, errors
 from tools.s3_server import S3Server, free_port
 
@@ -232,3 +235,73 @@ def test_every_command_exits_2_on_an_unusable_location_naming_the_url_without_se
         assert f"{url}: " in output and reason in output, (case, command, output)
         assert env["AWS_SECRET_ACCESS_KEY"] not in output, (case, command)
     assert s3.keys() == before  # nothing written anywhere
+
+
+@pytest.mark.parametrize("codec", ["none", "zstd"])
+def test_remote_reads_equal_local_reads_lost_and_never_written_chunks_included(
+    s3: S3Server, tmp_path: Path, codec: str
+) -> None:
+    """Chunks fetched whole and ahead (raw GETs for codec none, zarr for zstd) give the local
+    store's samples, for blocks of one sample, a few, or whole shards, and any prefetch depth."""
+    local = tmp_path / "local.zarr"
+    url, prefix = fresh_url(s3)
+    partly_written_store(local, codec=codec)
+    partly_written_store(url, codec=codec, storage_options=s3.options)
+    # Lost on both sides (sample 2's rows 8..15): read as the fill value, as zarr reads it.
+    (local / "aux_hidden_states" / "c" / "1" / "0" / "0").unlink()
+    s3.client().delete_object(Bucket=s3.bucket, Key=f"{prefix}/aux_hidden_states/c/1/0/0")
+
+    want_ds, got_ds = (
+        HiddenStatesDataset(str(local)),
+        HiddenStatesDataset(url, storage_options=s3.options),
+    )
+    assert len(got_ds) == len(want_ds) > 0
+    for k in range(len(want_ds)):
+        assert_same(got_ds[k], want_ds[k])
+    for block_bytes, prefetch_bytes in ((1, 0), (1, 1 << 30), (1000, 1), (1 << 30, 0)):
+        want = list(HiddenStatesIterable(str(local), block_bytes=block_bytes))
+        got = HiddenStatesIterable(
+            url, storage_options=s3.options, block_bytes=block_bytes, prefetch_bytes=prefetch_bytes
+        )
+        got = list(got)
+        assert len(got) == len(want) == len(want_ds)
+        for a, b in zip(got, want, strict=True):
+            assert_same(a, b)
+    raw = HiddenStatesIterable(url, storage_options=s3.options)._view._remote_rows()
+    assert all(source.raw == (codec == "none") for source in raw.sources.values())
+
+
+def test_remote_chunks_are_fetched_once_each_ahead_of_the_consumer_within_the_budget(
+    s3: S3Server, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    url, _ = fresh_url(s3)
+    store, _ = partly_written_store(url, storage_options=s3.options)
+    fetched: list[tuple[str, int]] = []
+    original = _ChunkSource.fetch
+
+    async def recorded(self: _ChunkSource, k: int) -> np.ndarray | None:
+        fetched.append((self.array.path, k))
+        return await original(self, k)
+
+    monkeypatch.setattr(_ChunkSource, "fetch", recorded)
+    chunk_sets = lambda: sorted({k for _, k in fetched})  # noqa: E731
+    # One sample per block, no byte budget: the next block only is fetched ahead.
+    it = iter(
+        HiddenStatesIterable(url, storage_options=s3.options, block_bytes=1, prefetch_bytes=0)
+    )
+    first = next(it)  # sample 0: rows 0..4 (chunk 0); sample 1 (row 5, chunk 0) is next
+    assert first["sample_id"] == plan()[0][0]
+    time.sleep(0.5)
+    assert chunk_sets() == [0]
+    next(it), next(it)  # sample 2 (rows 6..18: chunks 0-2) in hand: sample 3's (18..26) ahead
+    time.sleep(0.5)
+    assert chunk_sets() == [0, 1, 2, 3]
+    del it  # stopped early: nothing is left fetching or waiting
+    # Read to the end: every chunk a visible sample touches, fetched exactly once per array.
+    fetched.clear()
+    samples = list(HiddenStatesIterable(url, storage_options=s3.options, block_bytes=1))
+    assert len(fetched) == len(set(fetched))
+    rows = (store.sample_rows(plan()[0].index(s["sample_id"])) for s in samples)
+    c = store.manifest.chunk_tokens
+    touched = {k for r in rows for k in range(r.start // c, -(-r.stop // c))}
+    assert sorted(fetched) == sorted((name, k) for name in TOKEN_ARRAYS for k in touched)

@@ -18,12 +18,15 @@ from tests.test_store import NUM_AUX, H, as_input, new_store, plan, sample_bits,
 
 
 def partly_written_store(
-    path: Path, dtype: str = "bfloat16", codec: str = "none"
+    path: Path | str,
+    dtype: str = "bfloat16",
+    codec: str = "none",
+    storage_options: dict | None = None,
 ) -> tuple[Store, list[int]]:
     """Shards 0 and 2 committed (sample 9 failed), shard 1 written in part and never
     committed; returns the visible samples. Uncompressed local chunks are read directly from
     their files, zstd ones through zarr: both paths are tested."""
-    store = new_store(path, dtype, {"name": codec, "level": 1})
+    store = new_store(path, dtype, {"name": codec, "level": 1}, storage_options)
     write_shard(store, 0)
     sh = store.shards[1]
     writer = ShardWriter(store, sh)
