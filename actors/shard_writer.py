@@ -8,6 +8,7 @@ its claim on the shard wins, and are written then.
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import shutil
@@ -31,6 +32,7 @@ from zarr.storage import LocalStore
 
 from actors.lease_keeper import LeaseLost, Unfenced, WriteFence
 from store.format import STATUS_FAILED, STATUS_PLANNED, STATUS_WRITTEN, Shard, Store
+from store.location import SinglePutObjectStore
 
 
 def _as_stored(x: np.ndarray | torch.Tensor, dtype: str, what: str) -> np.ndarray:
@@ -148,32 +150,37 @@ def _writev_file(path: Path, parts: list[memoryview]) -> None:
         raise
 
 
-def _raw_chunk_path(array: zarr.Array, k: int) -> Path | None:
-    """Where chunk k of `array` is a plain file of its rows' bytes (a local store, no codec but
-    little-endian bytes on a little-endian host), else None: zarr must encode it."""
+def _raw_chunk_put(array: zarr.Array, k: int) -> Callable[[list[memoryview]], None] | None:
+    """How to store chunk k of `array` from its rows' bytes in pieces, where its stored form is
+    just those bytes (no codec but little-endian bytes, on a little-endian host): a local file
+    written with writev, or one PUT of the pieces. None where zarr must encode it."""
     store = array.store_path.store
     codecs = array.metadata.codecs
     raw = (
-        isinstance(store, LocalStore)
-        and sys.byteorder == "little"
+        sys.byteorder == "little"
         and len(codecs) == 1
         and isinstance(codecs[0], BytesCodec)
         and codecs[0].endian in (None, Endian.little)
     )
-    if not raw:
-        return None
-    key = array.metadata.encode_chunk_key((k,) + (0,) * (array.ndim - 1))
-    return Path(store.root) / array.store_path.path / key
+    key = (
+        f"{array.store_path.path}/{array.metadata.encode_chunk_key((k,) + (0,) * (array.ndim - 1))}"
+    )
+    if raw and isinstance(store, LocalStore):
+        return functools.partial(_writev_file, Path(store.root) / key)
+    if raw and isinstance(store, SinglePutObjectStore):
+        return functools.partial(store.put_parts, key)
+    return None
 
 
 class ShardWriter:
     """Writes one leased shard's rows. Whole chunks only: a chunk is written once, when every
     sample row it holds is in (padding and failed rows are zero), so zarr never
     read-modify-writes and no chunk has two writers. A chunk is written straight from the
-    samples' memory (a gather write: local files get the views with one writev), never
-    assembled in a copy first: on this 2-core machine the write is memory-bound and that copy
-    alone cost ~40% of the throughput (benchmarks/writer_vs_tofile.py). Where zarr must encode
-    (a codec, or object storage) the chunk is assembled in a reused buffer on a write thread.
+    samples' memory (a gather write: a local file gets the views with one writev, an object
+    store one PUT of them), never assembled in a copy first: on this 2-core machine the write
+    is memory-bound and that copy cost ~half the throughput (benchmarks/writer_vs_tofile.py).
+    Where zarr must encode (a codec) the chunk is assembled in a reused buffer on a write
+    thread.
 
     A sample's memory is lent to the chunks holding its rows until they are written, so a
     sample whose last chunk waits for the next sample stays held (its `on_release` comes
@@ -474,17 +481,17 @@ class ShardWriter:
 
     def _store_chunk(self, k: int, pieces: list[_Piece]) -> None:
         t0 = time.perf_counter()
-        paths = [_raw_chunk_path(a, k) for a in (self._aux, self._final)]
-        if None in paths:  # zarr encodes: hand it the chunk assembled in a reused buffer
+        puts = [_raw_chunk_put(a, k) for a in (self._aux, self._final)]
+        if None in puts:  # zarr encodes: hand it the chunk assembled in a reused buffer
             bufs = _BUFFERS.get(self._shapes, self._np_dtype)
             rows = slice(k * self._c, (k + 1) * self._c)
             self._aux[rows], self._final[rows] = self._assembled(pieces, bufs)
             _BUFFERS.put(bufs)
         else:
-            for path, which, row in zip(
-                paths, ("aux", "final"), (self._aux_row, self._final_row), strict=True
+            for put, which, row in zip(
+                puts, ("aux", "final"), (self._aux_row, self._final_row), strict=True
             ):
-                _writev_file(path, _gather(pieces, which, self._c, row))
+                put(_gather(pieces, which, self._c, row))
         with self._lock:
             self.bytes_written += self._payload[k] * self._row_bytes
             self.chunk_seconds += time.perf_counter() - t0

@@ -201,7 +201,7 @@ def main() -> None:
     parser.add_argument("--samples-per-shard", type=int, default=16)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--chunk-tokens", type=int, help="default: the store's default")
-    parser.add_argument("--rounds", type=int, default=7)
+    parser.add_argument("--rounds", type=int, default=15)
     parser.add_argument("--sweep", action="store_true", help="codec x chunk_tokens x threads")
     parser.add_argument("--shm", action="store_true", help="also measure on /dev/shm")
     parser.add_argument("--also", type=Path, action="append", default=[], help="another dir")
