@@ -77,7 +77,6 @@ class _BufferPool:
 
 _BUFFERS = _BufferPool()
 _ZEROS = [np.zeros(0, np.uint8)]  # grown on demand; never written, so its pages stay shared
-IOV_MAX = 1024
 
 
 def _zeros(nbytes: int) -> memoryview:
@@ -126,22 +125,19 @@ def _gather(pieces: list[_Piece], which: str, rows: int, row_bytes: int) -> list
     return out
 
 
-def _writev_file(path: Path, parts: list[memoryview]) -> None:
-    """Write `parts` as the file at `path` with writev (the kernel copies each part straight
+def _write_file(path: Path, parts: list[memoryview]) -> None:
+    """Write `parts` as the file at `path`, each straight from its memory (the kernel copies it
     into the page cache: no assembled copy), atomically as zarr's LocalStore does: a temp file
-    renamed over the key."""
+    renamed over the key. One write() per part: writev() of the same parts measured ~3x slower
+    here (median 1.3 vs 0.45 s a round of benchmarks/writer_vs_tofile.py)."""
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(f".{uuid.uuid4().hex}.partial")
     try:
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o666)
         try:
-            parts = [p for p in parts if p.nbytes]
-            while parts:
-                n = os.writev(fd, parts[:IOV_MAX])
-                while parts and n >= parts[0].nbytes:  # a short write: resume where it stopped
-                    n -= parts.pop(0).nbytes
-                if n:
-                    parts[0] = parts[0][n:]
+            for part in parts:
+                while part.nbytes:  # a short write: resume where it stopped
+                    part = part[os.write(fd, part) :]
         finally:
             os.close(fd)
         os.replace(tmp, path)
@@ -153,7 +149,7 @@ def _writev_file(path: Path, parts: list[memoryview]) -> None:
 def _raw_chunk_put(array: zarr.Array, k: int) -> Callable[[list[memoryview]], None] | None:
     """How to store chunk k of `array` from its rows' bytes in pieces, where its stored form is
     just those bytes (no codec but little-endian bytes, on a little-endian host): a local file
-    written with writev, or one PUT of the pieces. None where zarr must encode it."""
+    written from the pieces, or one PUT of them. None where zarr must encode it."""
     store = array.store_path.store
     codecs = array.metadata.codecs
     raw = (
@@ -166,7 +162,7 @@ def _raw_chunk_put(array: zarr.Array, k: int) -> Callable[[list[memoryview]], No
         f"{array.store_path.path}/{array.metadata.encode_chunk_key((k,) + (0,) * (array.ndim - 1))}"
     )
     if raw and isinstance(store, LocalStore):
-        return functools.partial(_writev_file, Path(store.root) / key)
+        return functools.partial(_write_file, Path(store.root) / key)
     if raw and isinstance(store, SinglePutObjectStore):
         return functools.partial(store.put_parts, key)
     return None
@@ -176,9 +172,9 @@ class ShardWriter:
     """Writes one leased shard's rows. Whole chunks only: a chunk is written once, when every
     sample row it holds is in (padding and failed rows are zero), so zarr never
     read-modify-writes and no chunk has two writers. A chunk is written straight from the
-    samples' memory (a gather write: a local file gets the views with one writev, an object
-    store one PUT of them), never assembled in a copy first: on this 2-core machine the write
-    is memory-bound and that copy cost ~half the throughput (benchmarks/writer_vs_tofile.py).
+    samples' memory (a local file: one write() per row range; object storage: one PUT of the
+    ranges), never assembled in a copy first: on this 2-core machine the write is memory-bound
+    and that copy cost ~half the throughput (benchmarks/writer_vs_tofile.py).
     Where zarr must encode (a codec) the chunk is assembled in a reused buffer on a write
     thread.
 
@@ -276,7 +272,7 @@ class ShardWriter:
                 f"sample {name}: got aux {tuple(aux.shape)} final {tuple(final.shape)}, "
                 f"expected {p} rows: aux {(p, *self._aux_shape)} final {(p, *self._final_shape)}"
             )
-        # Contiguous rows: the gather write hands the kernel whole row ranges.
+        # Contiguous rows: each chunk's piece of them is one range of bytes to write.
         aux, final = np.ascontiguousarray(aux), np.ascontiguousarray(final)
         loan = _Loan(aux.nbytes + final.nbytes, on_release)
         chunks = self._chunk_parts(rows)
@@ -467,7 +463,7 @@ class ShardWriter:
             if self._spill is not None:
                 for which, row in (("aux", self._aux_row), ("final", self._final_row)):
                     parts = _gather(pieces, which, self._c, row)
-                    _writev_file(self._spill_path(k, which), parts)
+                    _write_file(self._spill_path(k, which), parts)
                 self._spilled.add(k)
             else:
                 with self.fence.writing():
