@@ -215,7 +215,7 @@ class ShardWriter:
         # event-loop thread, ~0.7 GB/s here, and serialised all writes); a rewrite then also
         # replaces every chunk of the range, all-zero ones included.
         self._aux, self._final = (
-            store.group[name].with_config({"write_empty_chunks": True})
+            store.array(name).with_config({"write_empty_chunks": True})
             for name in ("aux_hidden_states", "final_hidden_states")
         )
         self._c = m.chunk_tokens
@@ -242,7 +242,7 @@ class ShardWriter:
         self._max_lent = max_lent_bytes
         self._status = np.full(shard.sample_end - shard.sample_begin, STATUS_PLANNED, np.uint8)
         self._failed: dict[str, str] = {}
-        self._ids = store.group["sample_id"][shard.sample_begin : shard.sample_end]
+        self._ids = store.array("sample_id")[shard.sample_begin : shard.sample_end]
         self._pool = ThreadPoolExecutor(threads, thread_name_prefix=f"shard{shard.index}-write")
         self._slots = threading.Semaphore(2 * threads)
         self._futures: list[Future[None]] = []
@@ -315,7 +315,7 @@ class ShardWriter:
         self.fence.claim_commit(self._fence_timeout)  # first claim wins; others stop writing
         if self._spill is not None:
             self._flush_spill()
-        sh, g = self.shard, self.store.group
+        sh, array = self.shard, self.store.array
         stored = {
             **summary,
             "shard": sh.index,
@@ -328,9 +328,9 @@ class ShardWriter:
             "wall_seconds": round(time.perf_counter() - self._started, 4),
         }
         with self.fence.writing():
-            g["sample_status"][sh.sample_begin : sh.sample_end] = self._status
-            g["shard_summary"][sh.index] = json.dumps(stored)
-            g["shard_committed"][sh.index] = 1  # the commit marker, last
+            array("sample_status")[sh.sample_begin : sh.sample_end] = self._status
+            array("shard_summary")[sh.index] = json.dumps(stored)
+            array("shard_committed")[sh.index] = 1  # the commit marker, last
         self._stopped = True
         self._drop_spill()
         self.seconds += time.perf_counter() - t0
@@ -362,9 +362,9 @@ class ShardWriter:
 
     def _uncommit(self) -> None:
         """A re-issued shard is no longer complete while its rows are being overwritten."""
-        if self.store.group["shard_committed"][self.shard.index]:
+        if self.store.array("shard_committed")[self.shard.index]:
             with self.fence.writing():
-                self.store.group["shard_committed"][self.shard.index] = 0
+                self.store.array("shard_committed")[self.shard.index] = 0
 
     def _spill_path(self, k: int, which: str) -> Path:
         assert self._spill is not None

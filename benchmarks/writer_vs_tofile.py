@@ -14,7 +14,8 @@ padding and per-file costs as the writer's overhead. Both rates are over the pay
 the ratio is the time ratio. Neither side fsyncs: both measure the write into the page cache,
 which is what a worker waits for; each side deletes its files after it is timed, so both
 write into pages the guest has touched before (on this VM fresh guest memory costs ~10x more to
-write into). Rounds alternate (benchmarks/rounds.py); value = median of per-round ratios.
+write into). Rounds alternate (benchmarks/rounds.py), each side writing everything --repeats
+times a round; value = median of per-round ratios.
 
 The data is synthetic but compresses like real bf16 activations: a float32 gaussian scaled per
 channel (log-normal scales), rounded to bf16: sign/exponent bytes compress, mantissas do not.
@@ -159,21 +160,25 @@ def stored_bytes(path: Path) -> int:
 
 
 def measure(
-    samples: Samples, root: Path, config: Config, per_shard: int, rounds: int
+    samples: Samples, root: Path, config: Config, per_shard: int, rounds: int, repeats: int
 ) -> tuple[Rounds, float]:
-    """Alternating rounds of baseline and writer; also the writer's compression ratio."""
+    """Alternating rounds of baseline and writer, each side writing everything `repeats` times
+    a round (a longer window evens out the neighbours' bursts); also the compression ratio."""
     codec, chunk, threads = config
     nbytes, stored = payload_bytes(samples), [0]
 
     def writer() -> float:
-        store = new_store(samples, root, codec, chunk, per_shard)  # untimed: the driver's
-        seconds = writer_seconds(samples, store, threads)
-        stored[0] = stored_bytes(root / "store.zarr")
-        shutil.rmtree(root / "store.zarr")
-        return nbytes / seconds / 1e9
+        seconds = 0.0
+        for _ in range(repeats):
+            store = new_store(samples, root, codec, chunk, per_shard)  # untimed: the driver's
+            seconds += writer_seconds(samples, store, threads)
+            stored[0] = stored_bytes(root / "store.zarr")
+            shutil.rmtree(root / "store.zarr")
+        return repeats * nbytes / seconds / 1e9
 
     def baseline() -> float:
-        return nbytes / chunk_files_seconds(samples, root, chunk, per_shard) / 1e9
+        seconds = sum(chunk_files_seconds(samples, root, chunk, per_shard) for _ in range(repeats))
+        return repeats * nbytes / seconds / 1e9
 
     ratios = alternate(baseline, writer, rounds)
     return ratios, nbytes / stored[0]
@@ -201,7 +206,8 @@ def main() -> None:
     parser.add_argument("--samples-per-shard", type=int, default=16)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--chunk-tokens", type=int, help="default: the store's default")
-    parser.add_argument("--rounds", type=int, default=15)
+    parser.add_argument("--rounds", type=int, default=9)
+    parser.add_argument("--repeats", type=int, default=3, help="writes per side per round")
     parser.add_argument("--sweep", action="store_true", help="codec x chunk_tokens x threads")
     parser.add_argument("--shm", action="store_true", help="also measure on /dev/shm")
     parser.add_argument("--also", type=Path, action="append", default=[], help="another dir")
@@ -218,7 +224,7 @@ def main() -> None:
             table = []
             for config in configs:
                 ratios, compression = measure(
-                    samples, Path(tmp), config, args.samples_per_shard, args.rounds
+                    samples, Path(tmp), config, args.samples_per_shard, args.rounds, args.repeats
                 )
                 result = result or ratios
                 table.append((config, ratios, compression))
