@@ -2,8 +2,8 @@
 
 (a) baseline: for every chunk the store holds, one file of the same bytes (the samples' rows
     in place, zeros for padding) at the same path shape (c/<k>/0/0), written with plain
-    sequential `f.write`s of the rows straight from the samples' memory; no temp file, no
-    rename, one thread;
+    `f.write`s of the rows straight from the samples' memory by as many threads as the writer
+    uses (--threads); no temp file, no rename;
 (b) ShardWriter: the same rows (bf16 torch tensors, as a worker gets them from a dump) written
     shard by shard into a freshly created store, commit included (store creation is the driver's,
     not timed).
@@ -32,6 +32,7 @@ import argparse
 import shutil
 import tempfile
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -74,17 +75,19 @@ def _bytes(x: torch.Tensor) -> memoryview:
     return memoryview(x.view(torch.int16).numpy()).cast("B")
 
 
-def chunk_files_seconds(samples: Samples, root: Path, chunk: int, per_shard: int) -> float:
-    """The baseline: the store's chunk files (same sizes, same bytes), written plainly."""
+def chunk_files_seconds(
+    samples: Samples, root: Path, chunk: int, per_shard: int, threads: int
+) -> float:
+    """The baseline: the store's chunk files (same sizes, same bytes), written plainly by
+    `threads` threads (the writer's count), in store order."""
     starts, _, total = layout([len(a) for a, _ in samples], per_shard, chunk)
     # Zeros never written (calloc'd pages read back as the shared zero page), as the writer's.
-    zero = {
-        n: memoryview(np.zeros(chunk * row, np.uint8)) for n, row in _row_bytes(samples).items()
-    }
-    start = time.perf_counter()
-    for n, index in (("aux", 0), ("final", 1)):
-        row = _row_bytes(samples)[n]
-        for k in range(total // chunk):
+    row_bytes = _row_bytes(samples)
+    zero = {n: memoryview(np.zeros(chunk * row, np.uint8)) for n, row in row_bytes.items()}
+
+    def write(k: int) -> None:
+        for n, index in (("aux", 0), ("final", 1)):
+            row = row_bytes[n]
             folder = root / "chunks" / n / "c" / str(k) / "0"  # the store's key: c/k/0[/0]
             folder.mkdir(parents=True)
             with (folder / "0").open("wb") as f:
@@ -97,7 +100,11 @@ def chunk_files_seconds(samples: Samples, root: Path, chunk: int, per_shard: int
                     at = hi
                 if at < (k + 1) * chunk:
                     f.write(zero[n][: ((k + 1) * chunk - at) * row])
-    seconds = time.perf_counter() - start
+
+    with ThreadPoolExecutor(threads) as pool:
+        start = time.perf_counter()
+        list(pool.map(write, range(total // chunk)))
+        seconds = time.perf_counter() - start
     shutil.rmtree(root / "chunks")
     return seconds
 
@@ -177,7 +184,9 @@ def measure(
         return repeats * nbytes / seconds / 1e9
 
     def baseline() -> float:
-        seconds = sum(chunk_files_seconds(samples, root, chunk, per_shard) for _ in range(repeats))
+        seconds = sum(
+            chunk_files_seconds(samples, root, chunk, per_shard, threads) for _ in range(repeats)
+        )
         return repeats * nbytes / seconds / 1e9
 
     ratios = alternate(baseline, writer, rounds)
