@@ -162,6 +162,7 @@ def _raw_chunk_put(array: zarr.Array, k: int) -> Callable[[list[memoryview]], No
         f"{array.store_path.path}/{array.metadata.encode_chunk_key((k,) + (0,) * (array.ndim - 1))}"
     )
     if raw and isinstance(store, LocalStore):
+        store._check_writable()  # a store opened read-only refuses, as zarr's own write would
         return functools.partial(_write_file, Path(store.root) / key)
     if raw and isinstance(store, SinglePutObjectStore):
         return functools.partial(store.put_parts, key)
