@@ -55,14 +55,38 @@ def verify_dump(
     for name in ("aux_hidden_states", "final_hidden_states"):
         if str(tensors[name].dtype).removeprefix("torch.") != manifest.dtype:
             raise DumpMismatch(f"{name} is {tensors[name].dtype}, the store holds {manifest.dtype}")
-        finite = _finite(tensors[name])
-        if not bool(finite.all()):
-            row = int((~finite).reshape(p, -1).any(dim=1).nonzero()[0])
+        row = _first_non_finite_row(tensors[name])
+        if row is not None:
             raise DumpMismatch(f"{name} has non-finite values from token {row}")
 
 
-def _finite(x: torch.Tensor) -> torch.Tensor:
-    """isfinite; for bf16 read off the exponent bits: twice as fast as torch's bf16 path on CPU."""
-    if x.dtype == torch.bfloat16:
-        return (x.view(torch.int16) & 0x7F80) != 0x7F80
-    return torch.isfinite(x)
+# Float dtypes by their bits: (integer view, |x| mask, bits of +inf). Exponent all ones (inf or
+# NaN) is exactly |bits| >= inf's bits.
+_BITS = {
+    torch.bfloat16: (np.int16, 0x7FFF, 0x7F80),
+    torch.float32: (np.int32, 0x7FFFFFFF, 0x7F800000),
+}
+SCAN_BLOCK_BYTES = 1 << 20  # a block and its temporary stay in cache
+
+
+def _first_non_finite_row(x: torch.Tensor) -> int | None:
+    """The first row (dim 0) of `x` holding an inf or NaN, or None. Scans the bits in row blocks
+    with numpy into one small reused temporary: ~1 MB extra instead of 1.5x the tensor (a
+    whole-tensor mask), and ~20x faster on 2 cores than the torch mask (numpy runs each block
+    on this thread: no intra-op barrier per block, which stalls on a busy machine)."""
+    if x.numel() == 0:
+        return None
+    if x.dtype not in _BITS:
+        finite = torch.isfinite(x).reshape(len(x), -1).all(dim=1)
+        return None if bool(finite.all()) else int((~finite).nonzero()[0])
+    int_type, mask, inf = _BITS[x.dtype]
+    bits = x.contiguous().view(torch.int16 if int_type is np.int16 else torch.int32).numpy()
+    bits = bits.reshape(len(x), -1)
+    rows = max(1, SCAN_BLOCK_BYTES // max(1, bits.shape[1] * bits.itemsize))
+    tmp = np.empty((min(rows, len(bits)), bits.shape[1]), int_type)
+    for lo in range(0, len(bits), rows):
+        block = tmp[: len(bits[lo : lo + rows])]
+        np.bitwise_and(bits[lo : lo + rows], mask, out=block)
+        if block.max() >= inf:
+            return lo + int(np.flatnonzero((block >= inf).any(axis=1))[0])
+    return None

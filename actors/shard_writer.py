@@ -8,21 +8,31 @@ its claim on the shard wins, and are written then.
 
 from __future__ import annotations
 
+import functools
 import json
+import os
 import shutil
+import sys
 import threading
 import time
+import uuid
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import ml_dtypes
 import numpy as np
 import torch
+import zarr
+from zarr.codecs import BytesCodec
+from zarr.codecs.bytes import Endian
+from zarr.storage import LocalStore
 
 from actors.lease_keeper import LeaseLost, Unfenced, WriteFence
 from store.format import STATUS_FAILED, STATUS_PLANNED, STATUS_WRITTEN, Shard, Store
+from store.location import SinglePutObjectStore
 
 
 def _as_stored(x: np.ndarray | torch.Tensor, dtype: str, what: str) -> np.ndarray:
@@ -66,33 +76,116 @@ class _BufferPool:
 
 
 _BUFFERS = _BufferPool()
+_ZEROS = [np.zeros(0, np.uint8)]  # grown on demand; never written, so its pages stay shared
 
 
-def _when_all_done(futures: list[Future[None]], callback: Callable[[], None]) -> None:
-    """Call `callback` once every future is done (or cancelled): at once if there are none."""
-    if not futures:
-        callback()
-        return
-    remaining, lock = [len(futures)], threading.Lock()
+def _zeros(nbytes: int) -> memoryview:
+    if _ZEROS[0].nbytes < nbytes:
+        _ZEROS[0] = np.zeros(nbytes, np.uint8)
+    return memoryview(_ZEROS[0])[:nbytes]
 
-    def one_done(_: Future[None]) -> None:
-        with lock:
-            remaining[0] -= 1
-            last = remaining[0] == 0
-        if last:
-            callback()
 
-    for future in futures:
-        future.add_done_callback(one_done)
+class _Loan:
+    """A sample's memory lent to the chunks holding its rows: `on_release` runs once no chunk
+    needs it any more (written, dropped, or its rows copied out)."""
+
+    def __init__(self, nbytes: int, on_release: Callable[[], None] | None) -> None:
+        self.nbytes, self._on_release = nbytes, on_release
+        self.refs, self.unsent, self._lock = 1, 0, threading.Lock()  # 1: write_sample's own
+
+    def drop(self, n: int = 1) -> None:
+        with self._lock:
+            self.refs -= n
+            done = self.refs == 0
+        if done and self._on_release is not None:
+            self._on_release()
+
+
+@dataclass
+class _Piece:
+    """Rows [lo, lo + len) of a chunk: a view of a sample's memory (lent) or of a buffer."""
+
+    lo: int
+    aux: np.ndarray
+    final: np.ndarray
+    loan: _Loan | None
+
+
+def _gather(pieces: list[_Piece], which: str, rows: int, row_bytes: int) -> list[memoryview]:
+    """A chunk's bytes in order, as views: its pieces, zeros where no row was written."""
+    out, at = [], 0
+    for p in sorted(pieces, key=lambda p: p.lo):
+        if p.lo > at:
+            out.append(_zeros((p.lo - at) * row_bytes))
+        rows_of = getattr(p, which)
+        out.append(memoryview(rows_of.reshape(-1).view(np.uint8)))
+        at = p.lo + len(rows_of)
+    if at < rows:
+        out.append(_zeros((rows - at) * row_bytes))
+    return out
+
+
+def _write_file(path: Path, parts: list[memoryview]) -> None:
+    """Write `parts` as the file at `path`, each straight from its memory (the kernel copies it
+    into the page cache: no assembled copy), atomically as zarr's LocalStore does: a temp file
+    renamed over the key. One write() per part: writev() of the same parts measured ~3x slower
+    here (median 1.3 vs 0.45 s a round of benchmarks/writer_vs_tofile.py)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(f".{uuid.uuid4().hex}.partial")
+    try:
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o666)
+        try:
+            for part in parts:
+                while part.nbytes:  # a short write: resume where it stopped
+                    part = part[os.write(fd, part) :]
+        finally:
+            os.close(fd)
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+
+
+def _raw_chunk_put(array: zarr.Array, k: int) -> Callable[[list[memoryview]], None] | None:
+    """How to store chunk k of `array` from its rows' bytes in pieces, where its stored form is
+    just those bytes (no codec but little-endian bytes, on a little-endian host): a local file
+    written from the pieces, or one PUT of them. None where zarr must encode it."""
+    store = array.store_path.store
+    codecs = array.metadata.codecs
+    raw = (
+        sys.byteorder == "little"
+        and len(codecs) == 1
+        and isinstance(codecs[0], BytesCodec)
+        and codecs[0].endian in (None, Endian.little)
+    )
+    key = (
+        f"{array.store_path.path}/{array.metadata.encode_chunk_key((k,) + (0,) * (array.ndim - 1))}"
+    )
+    if raw and isinstance(store, LocalStore):
+        store._check_writable()  # a store opened read-only refuses, as zarr's own write would
+        return functools.partial(_write_file, Path(store.root) / key)
+    if raw and isinstance(store, SinglePutObjectStore):
+        return functools.partial(store.put_parts, key)
+    return None
 
 
 class ShardWriter:
-    """Writes one leased shard's rows. Whole chunks only: a chunk is encoded and written once,
-    when every sample row it holds is in (padding and failed rows are zero), so zarr never
-    read-modify-writes and no chunk has two writers. Chunks shared by several samples are
-    assembled in reused buffers; a chunk one sample fills alone is written from that sample's
-    memory. Writes run on a small thread pool (zstd and file I/O release the GIL); memory is
-    bounded by the chunks still being assembled plus 2 * threads queued (write_sample waits).
+    """Writes one leased shard's rows. Whole chunks only: a chunk is written once, when every
+    sample row it holds is in (padding and failed rows are zero), so zarr never
+    read-modify-writes and no chunk has two writers. A chunk is written straight from the
+    samples' memory (a local file: one write() per row range; object storage: one PUT of the
+    ranges), never assembled in a copy first: on this 2-core machine the write is memory-bound
+    and that copy cost ~half the throughput (benchmarks/writer_vs_tofile.py).
+    Where zarr must encode (a codec) the chunk is assembled in a reused buffer on a write
+    thread.
+
+    A sample's memory is lent to the chunks holding its rows until they are written, so a
+    sample whose last chunk waits for the next sample stays held (its `on_release` comes
+    later). Lent memory waiting on incomplete chunks is bounded by `max_lent_bytes`: beyond it,
+    the oldest lent rows are copied into chunk buffers and their sample released (the capture
+    ring counts unreleased dumps, and must not fill up with ones waiting for a neighbour that
+    it cannot produce). Writes run on a small thread pool (file I/O releases the GIL); at most
+    2 * threads chunks are queued (write_sample waits).
 
     Every store write goes through `fence`; once the lease is lost nothing more is written and
     write_sample/mark_failed/commit raise LeaseLost. With `spill_dir` (a deferred lease) chunks
@@ -109,6 +202,7 @@ class ShardWriter:
         fence: WriteFence | None = None,
         spill_dir: Path | None = None,
         fence_timeout: float = 600.0,
+        max_lent_bytes: int = 512 << 20,
     ) -> None:
         m = store.manifest
         self.store, self.shard = store, shard
@@ -122,14 +216,19 @@ class ShardWriter:
         # event-loop thread, ~0.7 GB/s here, and serialised all writes); a rewrite then also
         # replaces every chunk of the range, all-zero ones included.
         self._aux, self._final = (
-            store.group[name].with_config({"write_empty_chunks": True})
+            store.array(name).with_config({"write_empty_chunks": True})
             for name in ("aux_hidden_states", "final_hidden_states")
         )
         self._c = m.chunk_tokens
         self._aux_shape, self._final_shape = (m.num_aux, m.hidden_size), (m.hidden_size,)
         self._shapes = ((self._c, *self._aux_shape), (self._c, *self._final_shape))
         self._np_dtype = np.uint16 if m.dtype == "bfloat16" else np.float32
-        self._row_bytes = (m.num_aux + 1) * m.hidden_size * np.dtype(self._np_dtype).itemsize
+        itemsize = np.dtype(self._np_dtype).itemsize
+        self._aux_row, self._final_row = (
+            m.num_aux * m.hidden_size * itemsize,
+            m.hidden_size * itemsize,
+        )
+        self._row_bytes = self._aux_row + self._final_row
         first = shard.token_begin // self._c
         # Rows each chunk still waits for (sample rows only: padding is never waited on) and
         # payload rows it holds (failed samples' rows excluded).
@@ -138,10 +237,13 @@ class ShardWriter:
             for k in range(first, -(-shard.token_end // self._c))
         }
         self._payload = dict.fromkeys(self._waiting, 0)
+        self._pieces: dict[int, list[_Piece]] = {}
         self._buffers: dict[int, tuple[np.ndarray, np.ndarray]] = {}
+        self._lent: list[tuple[_Loan, list[int]]] = []  # oldest first: loans on unsent chunks
+        self._max_lent = max_lent_bytes
         self._status = np.full(shard.sample_end - shard.sample_begin, STATUS_PLANNED, np.uint8)
         self._failed: dict[str, str] = {}
-        self._ids = store.group["sample_id"][shard.sample_begin : shard.sample_end]
+        self._ids = store.array("sample_id")[shard.sample_begin : shard.sample_end]
         self._pool = ThreadPoolExecutor(threads, thread_name_prefix=f"shard{shard.index}-write")
         self._slots = threading.Semaphore(2 * threads)
         self._futures: list[Future[None]] = []
@@ -158,10 +260,9 @@ class ShardWriter:
         final: np.ndarray | torch.Tensor,
         on_release: Callable[[], None] | None = None,
     ) -> None:
-        """One sample's rows: aux [P, num_aux, H], final [P, H], P its planned length. Rows
-        sharing a chunk with other samples are copied; chunks it fills alone are written from
-        its memory, so the arrays must stay untouched until `on_release` is called (at once
-        when nothing of theirs is pending, else once the last such chunk write is done)."""
+        """One sample's rows: aux [P, num_aux, H], final [P, H], P its planned length. The rows
+        are written from this memory, so the arrays must stay untouched until `on_release` is
+        called: once every chunk holding its rows is written (or its rows were copied out)."""
         t0 = time.perf_counter()
         rows = self._claim(sample_index)
         p, name = rows.stop - rows.start, self._name(sample_index)
@@ -172,21 +273,23 @@ class ShardWriter:
                 f"sample {name}: got aux {tuple(aux.shape)} final {tuple(final.shape)}, "
                 f"expected {p} rows: aux {(p, *self._aux_shape)} final {(p, *self._final_shape)}"
             )
-        direct: list[Future[None]] = []
-        for k, lo, hi in self._chunk_parts(rows):
+        # Contiguous rows: each chunk's piece of them is one range of bytes to write.
+        aux, final = np.ascontiguousarray(aux), np.ascontiguousarray(final)
+        loan = _Loan(aux.nbytes + final.nbytes, on_release)
+        chunks = self._chunk_parts(rows)
+        loan.refs += len(chunks)
+        loan.unsent = len(chunks)
+        for k, lo, hi in chunks:
             src = slice(lo - rows.start, hi - rows.start)
             self._payload[k] += hi - lo
-            if hi - lo == self._c:  # a whole chunk of this sample: written from its own memory
-                self._waiting[k] = 0
-                direct.append(self._submit(k, aux[src], final[src]))
-                continue
-            buf_aux, buf_final = self._buffer(k)
-            dst = slice(lo - k * self._c, hi - k * self._c)
-            buf_aux[dst], buf_final[dst] = aux[src], final[src]
+            piece = _Piece(lo - k * self._c, aux[src], final[src], loan)
+            self._pieces.setdefault(k, []).append(piece)
             self._arrived(k, hi - lo)
         self._status[sample_index - self.shard.sample_begin] = STATUS_WRITTEN
-        if on_release is not None:
-            _when_all_done(direct, on_release)
+        if loan.unsent:
+            self._lent.append((loan, [k for k, _, _ in chunks]))
+            self._limit_lent()
+        loan.drop()  # write_sample's own reference
         self.seconds += time.perf_counter() - t0
 
     def mark_failed(self, sample_index: int, reason: str) -> None:
@@ -195,10 +298,8 @@ class ShardWriter:
         self._failed[str(self._ids[sample_index - self.shard.sample_begin])] = reason
         self._status[sample_index - self.shard.sample_begin] = STATUS_FAILED
         for k, lo, hi in self._chunk_parts(rows):
-            dst = slice(lo - k * self._c, hi - k * self._c)
-            for buf in self._buffer(k):
-                buf[dst] = 0  # buffers are reused: zero what is not sample data
-            self._arrived(k, hi - lo)
+            self._pieces.setdefault(k, [])
+            self._arrived(k, hi - lo)  # no piece: its rows are written as zeros
 
     def commit(self, summary: dict[str, Any]) -> dict[str, Any]:
         """Wait for every chunk, then write this shard's sample_status chunk, its summary and,
@@ -215,7 +316,7 @@ class ShardWriter:
         self.fence.claim_commit(self._fence_timeout)  # first claim wins; others stop writing
         if self._spill is not None:
             self._flush_spill()
-        sh, g = self.shard, self.store.group
+        sh, array = self.shard, self.store.array
         stored = {
             **summary,
             "shard": sh.index,
@@ -228,18 +329,22 @@ class ShardWriter:
             "wall_seconds": round(time.perf_counter() - self._started, 4),
         }
         with self.fence.writing():
-            g["sample_status"][sh.sample_begin : sh.sample_end] = self._status
-            g["shard_summary"][sh.index] = json.dumps(stored)
-            g["shard_committed"][sh.index] = 1  # the commit marker, last
+            array("sample_status")[sh.sample_begin : sh.sample_end] = self._status
+            array("shard_summary")[sh.index] = json.dumps(stored)
+            array("shard_committed")[sh.index] = 1  # the commit marker, last
         self._stopped = True
         self._drop_spill()
         self.seconds += time.perf_counter() - t0
         return stored
 
     def abort(self) -> None:
-        """Stop: queued chunk writes are dropped, running ones finish, nothing more is written."""
+        """Stop: queued chunk writes are dropped, running ones finish, nothing more is written;
+        every sample's memory still lent is released."""
         self._stopped = True
         self._pool.shutdown(wait=True, cancel_futures=True)
+        for pieces in self._pieces.values():  # incomplete chunks: never to be written
+            self._release(pieces)
+        self._pieces.clear()
         self._drop_spill()
 
     # -- internals ---------------------------------------------------------------------------
@@ -258,17 +363,24 @@ class ShardWriter:
 
     def _uncommit(self) -> None:
         """A re-issued shard is no longer complete while its rows are being overwritten."""
-        if self.store.group["shard_committed"][self.shard.index]:
+        if self.store.array("shard_committed")[self.shard.index]:
             with self.fence.writing():
-                self.store.group["shard_committed"][self.shard.index] = 0
+                self.store.array("shard_committed")[self.shard.index] = 0
+
+    def _spill_path(self, k: int, which: str) -> Path:
+        assert self._spill is not None
+        return self._spill / f"{k}.{which}.bin"
 
     def _flush_spill(self) -> None:
         """A deferred lease, its claim won: the spilled chunks go to the store now."""
         self._uncommit()
         for k in sorted(self._spilled):
-            aux, final = (np.load(self._spill / f"{k}.{n}.npy", mmap_mode="r") for n in "af")
+            aux, final = (
+                np.memmap(self._spill_path(k, w), self._np_dtype, "r", shape=shape)
+                for w, shape in zip(("aux", "final"), self._shapes, strict=True)
+            )
             with self.fence.writing():
-                self._store_chunk(k, aux, final)
+                self._store_chunk(k, [_Piece(0, aux, final, None)])
 
     def _drop_spill(self) -> None:
         if self._spill is not None:
@@ -290,55 +402,111 @@ class ShardWriter:
             for k in range(first, last + 1)
         ]
 
-    def _buffer(self, k: int) -> tuple[np.ndarray, np.ndarray]:
-        """Chunk k's assembly buffers; every row gets sample data, or zero (failed, padding)."""
-        if k not in self._buffers:
-            bufs = _BUFFERS.get(self._shapes, self._np_dtype)
-            for buf in bufs:  # padding rows, outside the shard's samples
-                buf[: max(0, self.shard.token_begin - k * self._c)] = 0
-                buf[max(0, self.shard.token_end - k * self._c) :] = 0
-            self._buffers[k] = bufs
-        return self._buffers[k]
-
     def _arrived(self, k: int, rows: int) -> None:
-        """Rows of chunk k are in (copied, or failed and left zero); write it once complete."""
+        """Rows of chunk k are in (lent, or failed and left zero); write it once complete."""
         self._waiting[k] -= rows
         if self._waiting[k] == 0:
-            self._submit(k, *self._buffers.pop(k), recycle=True)
+            pieces = self._pieces.pop(k)
+            for piece in pieces:
+                if piece.loan is not None:
+                    piece.loan.unsent -= 1
+            self._submit(k, pieces, self._buffers.pop(k, None))
+
+    def _limit_lent(self) -> None:
+        """Copy the oldest lent rows still waiting on incomplete chunks into chunk buffers, and
+        release their samples, until at most max_lent_bytes of samples are held that way."""
+        self._lent = [(loan, ks) for loan, ks in self._lent if loan.unsent]
+        held = sum(loan.nbytes for loan, _ in self._lent)
+        while self._lent and held > self._max_lent:
+            loan, ks = self._lent.pop(0)
+            held -= loan.nbytes
+            for k in ks:
+                for piece in self._pieces.get(k, []):
+                    if piece.loan is loan:
+                        self._copy_out(k, piece)
+
+    def _copy_out(self, k: int, piece: _Piece) -> None:
+        if k not in self._buffers:
+            self._buffers[k] = _BUFFERS.get(self._shapes, self._np_dtype)
+        buf_aux, buf_final = self._buffers[k]
+        dst = slice(piece.lo, piece.lo + len(piece.aux))
+        buf_aux[dst], buf_final[dst] = piece.aux, piece.final
+        loan, piece.aux, piece.final, piece.loan = piece.loan, buf_aux[dst], buf_final[dst], None
+        loan.unsent -= 1
+        loan.drop()
+
+    @staticmethod
+    def _release(pieces: list[_Piece]) -> None:
+        for piece in pieces:
+            if piece.loan is not None:
+                piece.loan.drop()
 
     def _submit(
-        self, k: int, aux: np.ndarray, final: np.ndarray, recycle: bool = False
-    ) -> Future[None]:
+        self,
+        k: int,
+        pieces: list[_Piece],
+        buffers: tuple[np.ndarray, np.ndarray] | None,
+    ) -> None:
         self._slots.acquire()  # back-pressure: bounded chunks in flight
-        future = self._pool.submit(self._write_chunk, k, aux, final, recycle)
+        future = self._pool.submit(self._write_chunk, k, pieces, buffers)
+        # Released however the write ends: written, dropped, failed or cancelled by abort().
+        future.add_done_callback(lambda _: self._release(pieces))
         self._futures.append(future)
-        return future
 
-    def _write_chunk(self, k: int, aux: np.ndarray, final: np.ndarray, recycle: bool) -> None:
+    def _write_chunk(
+        self, k: int, pieces: list[_Piece], buffers: tuple[np.ndarray, np.ndarray] | None
+    ) -> None:
         try:
             if not self.fence.current():
                 self._lost = True
             if self._stopped or self._lost:
                 return
             if self._spill is not None:
-                np.save(self._spill / f"{k}.a.npy", aux)
-                np.save(self._spill / f"{k}.f.npy", final)
+                for which, row in (("aux", self._aux_row), ("final", self._final_row)):
+                    parts = _gather(pieces, which, self._c, row)
+                    _write_file(self._spill_path(k, which), parts)
                 self._spilled.add(k)
             else:
                 with self.fence.writing():
-                    self._store_chunk(k, aux, final)
-            if recycle:
-                _BUFFERS.put((aux, final))
+                    self._store_chunk(k, pieces)
+            if buffers is not None:
+                _BUFFERS.put(buffers)
         except LeaseLost:
             self._lost = True
         finally:
             self._slots.release()
 
-    def _store_chunk(self, k: int, aux: np.ndarray, final: np.ndarray) -> None:
+    def _store_chunk(self, k: int, pieces: list[_Piece]) -> None:
         t0 = time.perf_counter()
-        rows = slice(k * self._c, (k + 1) * self._c)
-        self._aux[rows] = aux
-        self._final[rows] = final
+        puts = [_raw_chunk_put(a, k) for a in (self._aux, self._final)]
+        if None in puts:  # zarr encodes: hand it the chunk assembled in a reused buffer
+            bufs = _BUFFERS.get(self._shapes, self._np_dtype)
+            rows = slice(k * self._c, (k + 1) * self._c)
+            self._aux[rows], self._final[rows] = self._assembled(pieces, bufs)
+            _BUFFERS.put(bufs)
+        else:
+            for put, which, row in zip(
+                puts, ("aux", "final"), (self._aux_row, self._final_row), strict=True
+            ):
+                put(_gather(pieces, which, self._c, row))
         with self._lock:
             self.bytes_written += self._payload[k] * self._row_bytes
             self.chunk_seconds += time.perf_counter() - t0
+
+    @staticmethod
+    def _assembled(
+        pieces: list[_Piece], bufs: tuple[np.ndarray, np.ndarray]
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """The chunk's rows in `bufs`, zero where none was written; a piece that is the whole
+        chunk is used as it is."""
+        if len(pieces) == 1 and len(pieces[0].aux) == len(bufs[0]):
+            return pieces[0].aux, pieces[0].final
+        at = 0
+        for piece in sorted(pieces, key=lambda p: p.lo):
+            for buf, rows_of in zip(bufs, (piece.aux, piece.final), strict=True):
+                buf[at : piece.lo] = 0
+                buf[piece.lo : piece.lo + len(rows_of)] = rows_of
+            at = piece.lo + len(piece.aux)
+        for buf in bufs:
+            buf[at:] = 0
+        return bufs

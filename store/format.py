@@ -339,6 +339,7 @@ class Store:
     ) -> None:
         self.group, self.manifest, self.shards = group, manifest, shards
         self.sample_start, self.sample_length = sample_start, sample_length
+        self._arrays: dict[str, zarr.Array] = {}
 
     @classmethod
     def open(
@@ -366,6 +367,13 @@ class Store:
         if not np.array_equal(starts, group["sample_start"][:]):
             raise StoreFormatError(f"{url}: sample_start disagrees with the layout")
         return cls(group, manifest, shards, starts, lengths)
+
+    def array(self, name: str) -> zarr.Array:
+        """The group's array `name`, opened once per handle: opening reads its metadata (an
+        object GET, or a file read), and no array's metadata changes after creation."""
+        if name not in self._arrays:
+            self._arrays[name] = self.group[name]
+        return self._arrays[name]
 
     @property
     def num_samples(self) -> int:

@@ -53,6 +53,13 @@ class SinglePutObjectStore(ObjectStore):
         self._check_writable()
         await obstore.put_async(self.store, key, value.as_buffer_like(), use_multipart=False)
 
+    def put_parts(self, key: str, parts: list[memoryview]) -> None:
+        """One PUT of the parts' bytes, in order, as the object at `key` (relative to the store's
+        root, as zarr's keys are): for a writer that has an object's bytes in pieces, without
+        joining them in Python first (obstore takes the pieces as they are)."""
+        self._check_writable()
+        obstore.put(self.store, key, parts, use_multipart=False)
+
 
 def _endpoint(options: Mapping[str, Any]) -> str:
     for key in ("endpoint", "endpoint_url", "aws_endpoint"):

@@ -249,7 +249,9 @@ def test_a_deferred_duplicate_that_claims_first_is_the_only_one_visible(tmp_path
     queue = ShardQueue([1], straggler_min_seconds=0)
     sh = store.shards[1]
     slow_fence = keeper(queue, "slow")
-    slow = ShardWriter(store, sh, threads=1, fence=slow_fence)
+    # max_lent_bytes=0: its rows in the chunks shared with samples 4 and 6 are copied out, so
+    # on_release comes once chunk 5, written from its memory, is in the store.
+    slow = ShardWriter(store, sh, threads=1, fence=slow_fence, max_lent_bytes=0)
     written = threading.Event()  # sample 5 alone fills chunk 6: it is written from its memory
     slow.write_sample(5, *(as_input(x, 5) for x in sample_bits(5)), on_release=written.set)
     assert written.wait(10)
