@@ -12,7 +12,8 @@ chunk files padded to whole chunks (~15% more bytes here than the payload), and 
 put those files on disk; a baseline of one file of payload only would count the format's
 padding and per-file costs as the writer's overhead. Both rates are over the payload bytes, so
 the ratio is the time ratio. Neither side fsyncs: both measure the write into the page cache,
-which is what a worker waits for; each side deletes its files after it is timed, so both
+which is what a worker waits for, each starting with no dirty pages (an untimed `sync` before
+every call); each side deletes its files after it is timed, so both
 write into pages the guest has touched before (on this VM fresh guest memory costs ~10x more to
 write into). Rounds alternate (benchmarks/rounds.py), each side writing everything --repeats
 times a round; value = median of per-round ratios.
@@ -36,6 +37,7 @@ one alternating-rounds ratio per configuration.
 from __future__ import annotations
 
 import argparse
+import os
 import shutil
 import tempfile
 import time
@@ -197,7 +199,9 @@ def measure(
         return repeats * nbytes / seconds / 1e9
 
     baseline(), writer()  # untimed: the first writes land in memory the guest never touched
-    ratios = alternate(baseline, writer, rounds)
+    # Every call starts with no dirty pages: else the kernel's writeback throttling lands on
+    # whichever side crosses the dirty limit, and rounds flip between ~4 and ~0.5 GB/s.
+    ratios = alternate(baseline, writer, rounds, between=os.sync)
     return ratios, nbytes / stored[0]
 
 
