@@ -36,10 +36,36 @@ import numpy as np
 from actors.shard_writer import ShardWriter
 from benchmarks.rounds import alternate
 from benchmarks.writer_vs_tofile import make_samples
-from store.format import DEFAULT_CODEC, create_store, make_manifest
+from store.format import DEFAULT_CODEC, Manifest, create_store, make_manifest
 from store.reader import HiddenStatesIterable
 
 TARGET = 0.8
+
+
+def stand_in_manifest(
+    root: Path, num_aux: int, hidden: int, max_length: int, samples_per_shard: int
+) -> Manifest:
+    """A manifest made as the driver makes one, from stand-in model files under `root`."""
+    model = root / "model"
+    model.mkdir(exist_ok=True)
+    for name in ("config.json", "tokenizer.json"):
+        (model / name).write_text("{}")
+    capture = {
+        "layer_ids": list(range(num_aux)),
+        "layer_convention": "bench",
+        "final_state": "post_norm",
+        "hidden_size": hidden,
+        "num_aux": num_aux,
+        "dtype": "bfloat16",
+    }
+    return make_manifest(
+        "bench",
+        model,
+        capture,
+        max_length=max_length,
+        samples_per_shard=samples_per_shard,
+        codec=DEFAULT_CODEC,
+    )
 
 
 def build_store(
@@ -54,21 +80,7 @@ def build_store(
     (default: under `root`, which also holds the stand-in model files); returns its URL and
     the hidden-state bytes."""
     rows = make_samples(samples, 256, 2048, num_aux, hidden)
-    model = root / "model"
-    model.mkdir()
-    for name in ("config.json", "tokenizer.json"):
-        (model / name).write_text("{}")
-    capture = {
-        "layer_ids": list(range(num_aux)),
-        "layer_convention": "bench",
-        "final_state": "post_norm",
-        "hidden_size": hidden,
-        "num_aux": num_aux,
-        "dtype": "bfloat16",
-    }
-    manifest = make_manifest(
-        "bench", model, capture, max_length=4096, samples_per_shard=16, codec=DEFAULT_CODEC
-    )
+    manifest = stand_in_manifest(root, num_aux, hidden, max_length=4096, samples_per_shard=16)
     url = url or str(root / "s.zarr")
     ids = [np.arange(1, len(a) + 1, dtype=np.int32) for a, _ in rows]  # nonzero: stored
     masks = [np.ones(len(a), np.uint8) for a, _ in rows]

@@ -29,10 +29,9 @@ import obstore
 
 from actors.shard_writer import ShardWriter
 from benchmarks.rounds import alternate
-from benchmarks.writer_vs_tofile import Samples, make_samples, payload_bytes
+from benchmarks.writer_vs_tofile import Samples, bench_manifest, make_samples, payload_bytes
 from store.format import (
     DEFAULT_CODEC,
-    SCHEMA_VERSION,
     Manifest,
     Store,
     create_store,
@@ -43,27 +42,6 @@ from store.location import open_location
 from tools.s3_server import S3Server, s3_server
 
 TARGET = 0.8
-
-
-def manifest_for(samples: Samples, chunk: int, per_shard: int) -> Manifest:
-    aux0 = samples[0][0]
-    return Manifest(
-        schema_version=SCHEMA_VERSION,
-        model="bench",
-        model_config_hash="",
-        tokenizer_hash="",
-        chat_template_hash=None,
-        layer_ids=list(range(aux0.shape[1])),
-        layer_convention="bench",
-        final_state="post_norm",
-        hidden_size=aux0.shape[2],
-        num_aux=aux0.shape[1],
-        dtype="bfloat16",
-        max_length=max(len(a) for a, _ in samples),
-        codec=DEFAULT_CODEC,
-        chunk_tokens=chunk,
-        samples_per_shard=per_shard,
-    )
 
 
 def new_store(s3: S3Server, name: str, samples: Samples, manifest: Manifest) -> Store:
@@ -133,7 +111,7 @@ def main() -> None:
     samples = make_samples(args.samples, 256, 2048, args.num_aux, args.hidden)
     nbytes = payload_bytes(samples)
     chunk = default_chunk_tokens(args.num_aux, args.hidden)
-    manifest = manifest_for(samples, chunk, args.samples_per_shard)
+    manifest = bench_manifest(samples, DEFAULT_CODEC, chunk, args.samples_per_shard)
     objects = chunk_objects(samples, manifest)
     stored = sum(o.nbytes for o in objects)
     print(

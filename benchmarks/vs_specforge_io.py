@@ -78,9 +78,10 @@ import torch
 from actors.calibration import Calibration
 from actors.dump_verify import verify_dump
 from actors.shard_writer import ShardWriter
+from benchmarks.reader_vs_raw_read import stand_in_manifest
 from benchmarks.rounds import Rounds, alternate
 from cluster.config import StoreConfig
-from store.format import HIDDEN_ARRAYS, Store, create_store, layout, make_manifest
+from store.format import HIDDEN_ARRAYS, Store, create_store, layout
 from store.reader import HiddenStatesIterable
 
 try:  # the peer's reader, imported from its release (requirements/bench.txt)
@@ -193,21 +194,7 @@ def peer_read(root: Path, max_len: int) -> int:
 def new_store(root: Path, samples: list[Sample], per_shard: int, max_len: int) -> Store:
     """The driver's part (untimed): a created store planned for these samples."""
     num_aux, hidden = samples[0].aux.shape[1:]
-    model = root / "model"
-    model.mkdir(exist_ok=True)
-    for name in ("config.json", "tokenizer.json"):
-        (model / name).write_text("{}")
-    capture = {
-        "layer_ids": list(range(num_aux)),
-        "layer_convention": "bench",
-        "final_state": "post_norm",
-        "hidden_size": hidden,
-        "num_aux": num_aux,
-        "dtype": "bfloat16",
-    }
-    manifest = make_manifest(
-        "bench", model, capture, max_length=max_len, samples_per_shard=per_shard
-    )
+    manifest = stand_in_manifest(root, num_aux, hidden, max_len, per_shard)
     ids = [s.ids.numpy().astype(np.int32) for s in samples]
     masks = [s.mask.numpy().astype(np.uint8) for s in samples]
     names = [f"s{s.index}" for s in samples]

@@ -129,9 +129,10 @@ def _samples_in(starts: np.ndarray, samples: Samples, lo: int, hi: int) -> range
     return range(int(np.searchsorted(ends, lo, "right")), int(np.searchsorted(starts, hi)))
 
 
-def new_store(samples: Samples, root: Path, codec: dict[str, Any], chunk: int, per_shard: int):
+def bench_manifest(samples: Samples, codec: dict[str, Any], chunk: int, per_shard: int) -> Manifest:
+    """The manifest of a store for these synthetic rows (no model behind it)."""
     aux0 = samples[0][0]
-    manifest = Manifest(
+    return Manifest(
         schema_version=SCHEMA_VERSION,
         model="bench",
         model_config_hash="",
@@ -148,6 +149,10 @@ def new_store(samples: Samples, root: Path, codec: dict[str, Any], chunk: int, p
         chunk_tokens=chunk,
         samples_per_shard=per_shard,
     )
+
+
+def new_store(samples: Samples, root: Path, codec: dict[str, Any], chunk: int, per_shard: int):
+    manifest = bench_manifest(samples, codec, chunk, per_shard)
     path = root / "store.zarr"
     ids = [np.zeros(len(a), np.int32) for a, _ in samples]
     masks = [np.ones(len(a), np.uint8) for a, _ in samples]
