@@ -1,9 +1,10 @@
 """The training reader vs a plain sequential read of the same bytes, from the same disk.
 
-(a) baseline: every chunk file of `aux_hidden_states` and `final_hidden_states` read in order,
-    each into a fresh array (`np.fromfile`) held until the next file is read: a reader must
-    hand out memory that outlives its next read, so reading into one reused buffer would not
-    be the same job;
+(a) baseline: every chunk file of `aux_hidden_states` and `final_hidden_states` read in order
+    with one plain `readinto` each, into four buffers in turn (a reader must hand out memory
+    that outlives its next read, so one reused buffer that stays in the CPU cache would not be
+    the same job; fresh arrays per file would be, but on this VM freshly mapped memory made
+    the baseline 2-3x slower in some runs than in others: benchmarks/rounds.py);
 (b) HiddenStatesIterable: every visible sample as bf16 tensors, in store order, one process;
     built once (as a training loop does, and as the raw read is given its file list), then one
     epoch per round.
@@ -13,11 +14,10 @@ read also reads the shards' padding rows, ~4% more bytes). The store is written 
 real ShardWriter: synthetic bf16 rows shaped like Kimi-K2.5's captures (3 aux layers x hidden
 7168, 256-2048 tokens per sample, ~2.6 GB).
 
-What limits both (measured here, 2 shared cores): the kernel's copy out of the page cache,
-5-9 GB/s depending on the other load. The reader `readinto`s each chunk's rows straight into
-recycled block buffers (store/reader.py `_DirectRows`), ~85% of its epoch time in `readinto`
-itself; the rest is opening chunk files and making the samples. Fresh memory (the baseline's
-44 MB arrays are mapped anew per file) measured no slower than warm here (THP on madvise).
+What limits both (measured here, 2 shared cores): the kernel's copy out of the page cache.
+The reader `readinto`s each chunk's rows straight into recycled block buffers, four reads in
+flight (store/file_rows.py), so its copies run on both cores where the baseline's run on one;
+the rest of its time is opening chunk files and making the samples.
 
     make bench BENCH=reader_vs_raw_read
 """
@@ -103,13 +103,12 @@ def chunk_files(url: str) -> list[Path]:
     )
 
 
-def raw_read_seconds(files: list[Path]) -> float:
+def raw_read_seconds(files: list[Path], buffers: list[np.ndarray]) -> float:
     start = time.perf_counter()
-    held = None
-    for path in files:
-        # A fresh array per file, held until the next one is read (as a consumer holds its
-        # sample while the reader reads on), so it is not one buffer reused in place.
-        held = np.fromfile(path, dtype=np.uint8)  # noqa: F841
+    for k, path in enumerate(files):
+        out = memoryview(buffers[k % len(buffers)])
+        with path.open("rb", buffering=0) as f:
+            f.readinto(out[: path.stat().st_size])
     return time.perf_counter() - start
 
 
@@ -138,10 +137,12 @@ def main() -> None:
             f"{len(files)} chunk files ({stored / 1e9:.2f} GB)"
         )
         reader = HiddenStatesIterable(url)
-        raw_read_seconds(files)  # warm the page cache (and both sides' memory)
+        largest = max(p.stat().st_size for p in files)
+        buffers = [np.ones(largest, np.uint8) for _ in range(4)]
+        raw_read_seconds(files, buffers)  # warm the page cache (and both sides' memory)
         reader_seconds(reader)
         rounds = alternate(
-            baseline=lambda: payload / raw_read_seconds(files) / 1e9,
+            baseline=lambda: payload / raw_read_seconds(files, buffers) / 1e9,
             measured=lambda: payload / reader_seconds(reader) / 1e9,
             rounds=args.rounds,
         )

@@ -10,13 +10,27 @@ move more between runs than any change did.
     ratios = alternate(baseline=lambda: nbytes / raw(), measured=lambda: nbytes / ours(), rounds=5)
     ratios.show("GB/s")
     print(ratios.result_line("reader_vs_raw_read", target=0.8))
+
+Memory the guest freed is slow to use again on a VM that reports free pages to its host
+(virtio-balloon free page reporting): a page freed is handed back to the host within seconds,
+and the next touch faults it in from there. Measured here, 1 GiB written into the page cache:
+0.06-0.16 GB/s a few seconds after the last run freed its files' pages, 2.3-3.2 GB/s right
+after touching 2 GiB and freeing it, and 2.9-3.2 GB/s every time with reporting off. Which side
+of a round got reported memory decided the round (writer_vs_tofile gave 2.2, 0.94, 0.95 in
+three runs). So `alternate` faults in the memory the next call will take (`fault_in_bytes`)
+just before it, untimed, for both sides; that helps only calls shorter than the reporting
+delay, and `alternate` prints how to turn reporting off for the run where it is on.
 """
 
 from __future__ import annotations
 
+import functools
 import statistics
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
 
 MIN_ROUNDS = 5
 
@@ -63,14 +77,16 @@ def alternate(
     measured: Callable[[], float],
     rounds: int = MIN_ROUNDS,
     between: Callable[[], None] | None = None,
+    fault_in_bytes: int = 0,
 ) -> Rounds:
     """Run both sides `rounds` times, alternating which goes first; each call returns a rate.
 
-    `between` runs before every call (e.g. dropping a file's pages before a cold read), untimed
-    as far as the callables are concerned.
+    Before every call, untimed as far as the callables are concerned: `between` (e.g. dropping
+    a file's pages before a cold read), then `fault_in(fault_in_bytes)`.
     """
     if rounds < MIN_ROUNDS:
         raise ValueError(f"a ratio needs at least {MIN_ROUNDS} rounds, got {rounds}")
+    warn_if_free_pages_are_reported()
     base: list[float] = []
     ours: list[float] = []
     for r in range(rounds):
@@ -78,5 +94,34 @@ def alternate(
         for rates, run in order if r % 2 == 0 else reversed(order):
             if between is not None:
                 between()
+            fault_in(fault_in_bytes)
             rates.append(run())
     return Rounds(base, ours)
+
+
+REPORTING_ORDER = Path("/sys/module/page_reporting/parameters/page_reporting_order")
+NO_REPORTING = 11  # above the largest buddy order (10): no free block qualifies
+
+
+@functools.cache  # once per run
+def warn_if_free_pages_are_reported() -> None:
+    """Say so where this VM hands freed memory back to its host (see the module docstring)."""
+    try:
+        order = int(REPORTING_ORDER.read_text())
+    except (OSError, ValueError):
+        return  # no free page reporting in this kernel
+    if order < NO_REPORTING:
+        print(
+            f"NOTE: this VM reports free pages to its host (page_reporting_order {order}): "
+            "memory-bound rates vary up to 2x between runs. For steady figures turn it off "
+            f"for the run: echo {NO_REPORTING} | sudo tee {REPORTING_ORDER} "
+            f"(restore: echo {order} | sudo tee {REPORTING_ORDER})",
+            flush=True,
+        )
+
+
+def fault_in(nbytes: int) -> None:
+    """Touch `nbytes` of fresh memory and free it, so that the next `nbytes` the process or the
+    page cache takes are backed by the host (see the module docstring)."""
+    if nbytes > 0:
+        np.ones(nbytes, np.uint8)

@@ -50,10 +50,11 @@ RESULT value = min(write ratio / 1.5, cold-read ratio / 1.1, dd ratio / 0.85).
 Default 32 samples (2 GB), not the issue's 64: here 64 (4 GB) ran 12 minutes, the disk reading
 0.35-1 GB/s cold and 4 GB of writes going past the dirty-page limit, so both writers wait on the
 disk (ratio ~0.8 then); 2 GB stays in the page cache and the run takes ~2.5 minutes.
-Measured here (2 cores, shared), three runs in a row: write 0.38 / 0.47 / 0.52 (ours slower:
-the serial finiteness scan in verify_dump and ShardWriter's own rate), cold read vs SpecForge
-1.35 / 1.28 / 1.64, vs dd 1.42 / 1.21 / 1.28 (dd is one process per 44 MB file and counts the
-padding; ours reads payload rows only), bytes per token +3.80% (at 16 samples per shard).
+Measured here (2 cores), three runs in a row with the VM's free page reporting off
+(benchmarks/rounds.py): write 4.24 / 3.89 / 3.85 (ours ~3.4 GB/s, the peer ~0.9: its
+`torch.save` and NaN scans on 2 threads), cold read vs SpecForge 1.21 / 1.19 / 1.23 (eight reads
+in flight against its four loader threads), vs dd 1.50 / 1.52 / 1.77 (dd is one process per
+44 MB file, one read at a time), bytes per token +0.92% (+0.71% projected at 64 samples/shard).
 
     make bench BENCH=vs_specforge_io
     .venv/bin/python -m benchmarks.vs_specforge_io --samples 32 --rounds 5
@@ -343,7 +344,10 @@ def main() -> None:
             seconds, _ = timed(ours_write, samples, store)
             return payload / seconds / 1e9
 
-        write = alternate(peer_write_rate, ours_write_rate, rounds=args.rounds)
+        # Before every call, memory for what it takes (page cache, the peer's clones) faulted in:
+        # benchmarks/rounds.py says why.
+        warm = payload * 3 // 2
+        write = alternate(peer_write_rate, ours_write_rate, args.rounds, fault_in_bytes=warm)
         peer_dir, url = latest["peer"], latest["ours"] / "store.zarr"
         peer_files, our_files, chunks = files_under(peer_dir), files_under(url), chunk_files(url)
         chunk_bytes = sum(p.stat().st_size for p in chunks)
@@ -364,8 +368,8 @@ def main() -> None:
         def dd_rate() -> float:  # the disk's rate: every byte of the chunk files, padding too
             return chunk_bytes / dd_seconds(chunks) / 1e9
 
-        read = alternate(peer_read_rate, ours_read_rate, rounds=args.rounds, between=drop_all)
-        disk = alternate(dd_rate, ours_read_rate, rounds=args.rounds, between=drop_all)
+        read = alternate(peer_read_rate, ours_read_rate, args.rounds, drop_all, warm)
+        disk = alternate(dd_rate, ours_read_rate, args.rounds, drop_all, warm)
         # Evidence that the drop works: what the last read left resident, and after a drop.
         before = resident_bytes(peer_files + our_files)
         drop_all()

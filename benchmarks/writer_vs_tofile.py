@@ -13,10 +13,11 @@ put those files on disk; a baseline of one file of payload only would count the 
 padding and per-file costs as the writer's overhead. Both rates are over the payload bytes, so
 the ratio is the time ratio. Neither side fsyncs: both measure the write into the page cache,
 which is what a worker waits for, each starting with no dirty pages (an untimed `sync` before
-every call); each side deletes its files after it is timed, so both
-write into pages the guest has touched before (on this VM fresh guest memory costs ~10x more to
-write into). Rounds alternate (benchmarks/rounds.py), each side writing everything --repeats
-times a round; value = median of per-round ratios.
+every call), and with memory for its page cache faulted in just before it
+(benchmarks/rounds.py `fault_in`: on this VM, memory freed a few seconds earlier costs ~20x
+more to write into). Each side deletes its files after it is timed. Rounds alternate
+(benchmarks/rounds.py), each side writing everything --repeats times a round; value = median
+of per-round ratios.
 
 What the ratio depended on (profiled here, 2 shared cores): the writer used to copy every row
 of a chunk shared by several samples (nearly all of them) into an assembly buffer before zarr
@@ -203,10 +204,10 @@ def measure(
         )
         return repeats * nbytes / seconds / 1e9
 
-    baseline(), writer()  # untimed: the first writes land in memory the guest never touched
     # Every call starts with no dirty pages: else the kernel's writeback throttling lands on
-    # whichever side crosses the dirty limit, and rounds flip between ~4 and ~0.5 GB/s.
-    ratios = alternate(baseline, writer, rounds, between=os.sync)
+    # whichever side crosses the dirty limit, and rounds flip between ~4 and ~0.5 GB/s. And
+    # with memory the host backs: twice the payload covers the chunk files' page cache.
+    ratios = alternate(baseline, writer, rounds, between=os.sync, fault_in_bytes=2 * nbytes)
     return ratios, nbytes / stored[0]
 
 

@@ -18,10 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import sys
-from collections import deque
 from collections.abc import Iterable, Iterator, Mapping
-from concurrent.futures import Future
-from typing import Any, NamedTuple
 
 import numpy as np
 import obstore
@@ -32,20 +29,11 @@ from zarr.core.sync import _get_loop, sync
 from zarr.storage import ObjectStore
 
 from store.buffers import RecycledBuffers
+from store.read_ahead import Block, PendingRows, Rows, read_ahead
 
 CONCURRENCY = 8  # chunk GETs in flight: past ~8, loopback S3 (moto) gained nothing more here
 PREFETCH_BYTES = 256 << 20  # chunk bytes fetched ahead of the consumer's block
 
-
-class Block(NamedTuple):
-    """Rows [begin, end) of every array; `tag` is the caller's (handed back with the rows)."""
-
-    begin: int
-    end: int
-    tag: Any = None
-
-
-Rows = dict[str, np.ndarray]
 ChunkKey = tuple[str, int]  # (array name, chunk index along the rows)
 
 
@@ -122,29 +110,19 @@ class RemoteRows:
         on earlier ones (at least one block ahead, more while within `prefetch_bytes`)."""
         loop = _get_loop()
         fetched: dict[ChunkKey, asyncio.Task[np.ndarray | None]] = {}  # used on the loop only
-        ahead: deque[tuple[Block, Future[Rows], int]] = deque()
-        ahead_bytes, last = 0, set[ChunkKey]()
-        todo = iter(blocks)
+        last = set[ChunkKey]()
+
+        def start(block: Block) -> tuple[PendingRows, int]:
+            nonlocal last
+            keys = self._keys(block)
+            cost = sum(self.sources[name].chunk_bytes for name, _ in keys - last)
+            last = keys
+            coro = self._assemble(block, self._buffers(block), fetched)
+            return asyncio.run_coroutine_threadsafe(coro, loop), cost
+
         try:
-            while True:
-                for block in todo:
-                    keys = self._keys(block)
-                    cost = sum(self.sources[name].chunk_bytes for name, _ in keys - last)
-                    coro = self._assemble(block, self._buffers(block), fetched)
-                    ahead.append((block, asyncio.run_coroutine_threadsafe(coro, loop), cost))
-                    ahead_bytes, last = ahead_bytes + cost, keys
-                    if len(ahead) > 1 and ahead_bytes >= self.prefetch_bytes:
-                        break
-                if not ahead:
-                    return
-                block, future, cost = ahead.popleft()
-                ahead_bytes -= cost
-                rows = future.result()
-                yield block, rows
-                del rows, future  # the block's buffers are free once the caller lets go
+            yield from read_ahead(blocks, start, self.prefetch_bytes)
         finally:  # the caller stopped early or a read failed: nothing goes on fetching
-            for _, future, _ in ahead:
-                future.cancel()
             loop.call_soon_threadsafe(lambda: [task.cancel() for task in fetched.values()])
 
     def _keys(self, block: Block) -> set[ChunkKey]:

@@ -16,82 +16,30 @@ The store itself is opened lazily in each process (DataLoader workers get the re
 without its handle), and refused if its schema version is unknown (`StoreFormatError`).
 A store on object storage cannot be read in a forked DataLoader worker (use 'spawn').
 
-Local uncompressed chunks are read straight from their files (`_DirectRows`); remote chunks are
-fetched whole, concurrently and ahead of the consumer (store/object_rows.py).
+Local chunk files are read straight into the samples' buffers, several at a time
+(store/file_rows.py); remote chunk objects are fetched whole, several at a time
+(store/object_rows.py); the sequential reader reads ahead of its consumer on both.
 """
 
 from __future__ import annotations
 
 import os
-import sys
-from collections.abc import Callable, Iterable, Iterator, Mapping
-from pathlib import Path
+from collections.abc import Iterable, Iterator, Mapping
 from typing import Any
 
 import numpy as np
 import torch
-import zarr
 from torch.utils.data import Dataset, IterableDataset, get_worker_info
-from zarr.codecs import BytesCodec
-from zarr.storage import LocalStore
 
-from store.buffers import RecycledBuffers as _RecycledBuffers
+from store import file_rows, object_rows
+from store.file_rows import FileRows
 from store.format import HIDDEN_ARRAYS, STATUS_WRITTEN, Manifest, Shard, Store
 from store.location import is_remote
-from store.object_rows import CONCURRENCY, PREFETCH_BYTES, Block, RemoteRows
+from store.object_rows import RemoteRows
+from store.read_ahead import Block
 
 Sample = dict[str, Any]
 TOKEN_ARRAYS = ("input_ids", "loss_mask", *HIDDEN_ARRAYS)
-
-
-class _DirectRows:
-    """Rows of an uncompressed array in a local store, read straight from its chunk files into
-    the caller's array: one `readinto` per chunk a range touches, no intermediate buffer.
-    Measured (benchmarks/reader_vs_raw_read.py) zarr's own read path at ~0.3 of a plain read of
-    the same files: it reads each chunk into a buffer, then copies it into the result. Zarr's
-    metadata still names the files; anything else (compressed, remote) goes through zarr."""
-
-    def __init__(self, array: zarr.Array) -> None:
-        self.array = array
-        self.root = Path(array.store.root) / array.path
-        self.rows = array.chunks[0]
-        self.row_shape, self.dtype = array.shape[1:], array.dtype
-        self.row_bytes = int(np.prod(self.row_shape, dtype=np.int64)) * array.dtype.itemsize
-        self.buffers = _RecycledBuffers()
-
-    @staticmethod
-    def applies(array: zarr.Array) -> bool:
-        codecs = array.metadata.codecs
-        return (
-            isinstance(array.store, LocalStore)
-            and len(codecs) == 1
-            and isinstance(codecs[0], BytesCodec)
-            and (codecs[0].endian is None or codecs[0].endian.value == sys.byteorder)
-            and array.chunks[1:] == array.shape[1:]  # whole rows per chunk
-        )
-
-    def read(self, begin: int, end: int) -> np.ndarray:
-        out = self.buffers.take((end - begin, *self.row_shape), self.dtype)
-        view = memoryview(out.reshape(-1).view(np.uint8))
-        zeros = (0,) * len(self.row_shape)
-        for k in range(begin // self.rows, -(-end // self.rows)):
-            lo, hi = max(begin, k * self.rows), min(end, (k + 1) * self.rows)
-            dst = view[(lo - begin) * self.row_bytes : (hi - begin) * self.row_bytes]
-            path = self.root / self.array.metadata.encode_chunk_key((k, *zeros))
-            try:
-                with path.open("rb", buffering=0) as f:
-                    f.seek((lo - k * self.rows) * self.row_bytes)
-                    if f.readinto(dst) != len(dst):
-                        raise OSError(f"{path}: chunk file shorter than its chunk")
-            except FileNotFoundError:  # never written: the fill value, as zarr reads it
-                out[lo - begin : hi - begin] = self.array.metadata.fill_value
-        return out
-
-
-def _row_reader(array: zarr.Array) -> Callable[[int, int], np.ndarray]:
-    if _DirectRows.applies(array):
-        return _DirectRows(array).read
-    return lambda begin, end: np.asarray(array[begin:end])
 
 
 class _StoreView:
@@ -101,8 +49,8 @@ class _StoreView:
         self,
         url: str,
         storage_options: Mapping[str, Any] | None,
-        concurrency: int = CONCURRENCY,
-        prefetch_bytes: int = PREFETCH_BYTES,
+        concurrency: int | None = None,
+        prefetch_bytes: int | None = None,
     ) -> None:
         self.url, self.storage_options = str(url), storage_options
         self.concurrency, self.prefetch_bytes = concurrency, prefetch_bytes
@@ -124,11 +72,10 @@ class _StoreView:
         self.sample_ids = np.asarray(store.group["sample_id"][:])
         self._store: Store | None = store
         self._opened_by = os.getpid()
-        self._readers: dict[str, Callable[[int, int], np.ndarray]] | None = None
-        self._remote: RemoteRows | None = None
+        self._rows: FileRows | RemoteRows | None = None
 
     def __getstate__(self) -> dict[str, Any]:
-        return {**self.__dict__, "_store": None, "_readers": None, "_remote": None}  # per process
+        return {**self.__dict__, "_store": None, "_rows": None}  # per process
 
     @property
     def store(self) -> Store:
@@ -139,39 +86,39 @@ class _StoreView:
                     "runtime does not survive fork): give the DataLoader "
                     "multiprocessing_context='spawn' (or 'forkserver')"
                 )
-            self._store, self._readers = None, None
+            self._store, self._rows = None, None  # its read threads stayed in the parent
         if self._store is None:
             self._store = Store.open(self.url, storage_options=self.storage_options)
             self._opened_by = os.getpid()
         return self._store
 
-    def _remote_rows(self) -> RemoteRows | None:
-        """The object-storage reader of a remote store (None for a local one)."""
+    @property
+    def rows(self) -> FileRows | RemoteRows:
+        """The store's row reader, made once per process (array handles read metadata)."""
         store = self.store  # first: refuses a forked copy of a remote store
-        if self._remote is None and is_remote(self.url):
+        if self._rows is None:
             arrays = {name: store.group[name] for name in TOKEN_ARRAYS}
-            self._remote = RemoteRows(arrays, self.concurrency, self.prefetch_bytes)
-        return self._remote
+            if is_remote(self.url):
+                self._rows = RemoteRows(
+                    arrays,
+                    _default(self.concurrency, object_rows.CONCURRENCY),
+                    _default(self.prefetch_bytes, object_rows.PREFETCH_BYTES),
+                )
+            else:
+                self._rows = FileRows(
+                    arrays,
+                    _default(self.concurrency, file_rows.READ_THREADS),
+                    _default(self.prefetch_bytes, file_rows.PREFETCH_BYTES),
+                )
+        return self._rows
 
     def read_rows(self, begin: int, end: int) -> dict[str, np.ndarray]:
-        """Rows [begin, end) of every token-major array: one contiguous read each (remote:
-        their chunks fetched concurrently)."""
-        remote = self._remote_rows()
-        if remote is not None:
-            return remote.read(begin, end)
-        if self._readers is None:  # array handles once: each lookup reads its metadata
-            self._readers = {name: _row_reader(self.store.group[name]) for name in TOKEN_ARRAYS}
-        return {name: read(begin, end) for name, read in self._readers.items()}
+        """Rows [begin, end) of every token-major array, their chunks read at once."""
+        return self.rows.read(begin, end)
 
     def read_blocks(self, blocks: Iterable[Block]) -> Iterator[tuple[Block, dict[str, np.ndarray]]]:
-        """Each block with its rows, in order: local ones read one after the other (the page
-        cache reads ahead), remote ones fetched ahead of the caller."""
-        remote = self._remote_rows()
-        if remote is not None:
-            yield from remote.blocks(blocks)
-            return
-        for block in blocks:
-            yield block, self.read_rows(block.begin, block.end)
+        """Each block with its rows, in order, read ahead of the caller."""
+        return self.rows.blocks(blocks)
 
     def sample(self, i: int, rows: dict[str, np.ndarray], offset: int) -> Sample:
         """Sample i out of rows read from `offset` on."""
@@ -191,6 +138,10 @@ class _StoreView:
         if self.manifest.dtype == "bfloat16":  # stored bits, viewed, never converted
             return torch.from_numpy(x.view(np.int16)).view(torch.bfloat16)
         return torch.from_numpy(x)
+
+
+def _default(value: int | None, default: int) -> int:
+    return default if value is None else value
 
 
 class _VisibleSamples:
@@ -235,9 +186,10 @@ class HiddenStatesIterable(_VisibleSamples, IterableDataset):
     larger ones are mapped afresh and page-faulted in). `shuffle`
     permutes the shard order per `epoch` (same on every rank: set `epoch` before each one).
 
-    On object storage, the chunk objects of the next blocks are fetched while the consumer
-    works on the current one (store/object_rows.py): at most `concurrency` GETs in flight and
-    about `prefetch_bytes` of chunks ahead (at least the next block's), each chunk fetched once."""
+    The next blocks are read while the consumer works on the current one, at most
+    `concurrency` reads in flight and about `prefetch_bytes` ahead (at least the next block).
+    Defaults: local files 8 reads and 128 MB (store/file_rows.py); object storage 8 GETs and
+    256 MB of whole chunk objects, each fetched once (store/object_rows.py)."""
 
     def __init__(
         self,
@@ -249,8 +201,8 @@ class HiddenStatesIterable(_VisibleSamples, IterableDataset):
         seed: int = 0,
         block_bytes: int = 16 << 20,
         storage_options: Mapping[str, Any] | None = None,
-        concurrency: int = CONCURRENCY,
-        prefetch_bytes: int = PREFETCH_BYTES,
+        concurrency: int | None = None,
+        prefetch_bytes: int | None = None,
     ) -> None:
         self._view = _StoreView(url, storage_options, concurrency, prefetch_bytes)
         self.rank, self.world_size = rank, world_size

@@ -267,7 +267,7 @@ def test_remote_reads_equal_local_reads_lost_and_never_written_chunks_included(
         assert len(got) == len(want) == len(want_ds)
         for a, b in zip(got, want, strict=True):
             assert_same(a, b)
-    raw = HiddenStatesIterable(url, storage_options=s3.options)._view._remote_rows()
+    raw = HiddenStatesIterable(url, storage_options=s3.options)._view.rows
     assert all(source.raw == (codec == "none") for source in raw.sources.values())
 
 

@@ -4,6 +4,7 @@ split the samples exactly once."""
 
 from __future__ import annotations
 
+import itertools
 from pathlib import Path
 
 import numpy as np
@@ -12,8 +13,11 @@ import torch
 from torch.utils.data import DataLoader
 
 from actors.shard_writer import ShardWriter
+from store.buffers import RecycledBuffers
+from store.file_rows import FileRows
 from store.format import Store, StoreFormatError
-from store.reader import HiddenStatesDataset, HiddenStatesIterable, _DirectRows
+from store.read_ahead import Block
+from store.reader import TOKEN_ARRAYS, HiddenStatesDataset, HiddenStatesIterable
 from tests.test_store import NUM_AUX, H, as_input, new_store, plan, sample_bits, write_shard
 
 
@@ -113,22 +117,41 @@ def test_a_store_of_unknown_schema_is_refused(tmp_path: Path) -> None:
         HiddenStatesIterable(str(tmp_path / "s.zarr"))
 
 
-def test_direct_chunk_reads_equal_zarr_reads_missing_chunks_included(tmp_path: Path) -> None:
-    store, _ = partly_written_store(tmp_path / "s.zarr")
-    array = store.group["aux_hidden_states"]
-    assert _DirectRows.applies(array)
+@pytest.mark.parametrize("codec", ["none", "zstd"])
+def test_file_reads_equal_zarr_reads_in_any_blocks_missing_chunks_included(
+    tmp_path: Path, codec: str
+) -> None:
+    store, _ = partly_written_store(tmp_path / "s.zarr", codec=codec)
     (tmp_path / "s.zarr" / "aux_hidden_states" / "c" / "1" / "0" / "0").unlink()
+    arrays = {name: store.group[name] for name in TOKEN_ARRAYS}
+    total = arrays["aux_hidden_states"].shape[0]
     rng = np.random.default_rng(0)
-    for begin in [0, 3, 8, 15, *rng.integers(0, array.shape[0] - 1, 20).tolist()]:
-        end = int(rng.integers(begin + 1, array.shape[0] + 1))
-        np.testing.assert_array_equal(_DirectRows(array).read(begin, end), array[begin:end])
-    assert not _DirectRows.applies(new_store(tmp_path / "z.zarr").group["aux_hidden_states"])
+    cuts = sorted({0, total, *rng.integers(1, total, 12).tolist()})
+    blocks = [Block(a, b, tag=k) for k, (a, b) in enumerate(itertools.pairwise(cuts))]
+    for threads, prefetch in ((1, 0), (4, 0), (4, 1 << 30), (3, 100)):
+        rows = FileRows(arrays, threads, prefetch)
+        assert all(s.direct == (codec == "none") for s in rows.sources.values())
+        got = list(rows.blocks(blocks))
+        assert [block for block, _ in got] == blocks  # in order, tags handed back
+        for block, read in got:
+            for name, array in arrays.items():
+                np.testing.assert_array_equal(read[name], array[block.begin : block.end])
+                np.testing.assert_array_equal(
+                    rows.read(block.begin, block.end)[name], array[block.begin : block.end]
+                )
+
+
+def test_a_chunk_file_cut_short_fails_the_read_naming_it(tmp_path: Path) -> None:
+    partly_written_store(tmp_path / "s.zarr")
+    chunk = tmp_path / "s.zarr" / "final_hidden_states" / "c" / "1" / "0"
+    chunk.write_bytes(chunk.read_bytes()[:100])
+    reader = iter(HiddenStatesIterable(str(tmp_path / "s.zarr"), block_bytes=1))
+    with pytest.raises(OSError, match="final_hidden_states/c/1/0: chunk file shorter"):
+        list(reader)
 
 
 def test_read_buffers_are_reused_only_once_no_sample_holds_them(tmp_path: Path) -> None:
-    from store.reader import _RecycledBuffers
-
-    pool = _RecycledBuffers()
+    pool = RecycledBuffers()
     first = pool.take((5, 3), np.dtype(np.uint16))
     held = torch.from_numpy(first[1:3].view(np.int16))  # a sample viewing the buffer
     second = pool.take((4, 3), np.dtype(np.uint16))
