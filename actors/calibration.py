@@ -16,6 +16,7 @@ from pathlib import Path
 import torch
 
 from actors.capture_client import generate_and_capture, wait_for_dump
+from actors.sglang_server import SGLangServer
 from patches.dump_files import read_dump, release_dump
 from store.format import Manifest
 
@@ -44,13 +45,17 @@ def clear_stale_dumps(dump_dir: Path) -> int:
 
 
 def calibrate(
-    url: str, dump_dir: Path, manifest: Manifest, expected_ids: list[int], rid_prefix: str
+    server: SGLangServer,
+    dump_dir: Path,
+    manifest: Manifest,
+    expected_ids: list[int],
+    rid_prefix: str,
 ) -> Calibration:
     """`expected_ids`: PROBE_TEXT as the plan's tokenizer encodes it."""
     started = time.monotonic()
     clear_stale_dumps(dump_dir)
     rid = f"{rid_prefix}calibrate-{uuid.uuid4().hex[:12]}"
-    response = generate_and_capture(url, rid, text=PROBE_TEXT)
+    response = generate_and_capture(server, rid, text=PROBE_TEXT)
     tensors, meta = read_dump(wait_for_dump(response.dump_path))
     try:
         problems = [

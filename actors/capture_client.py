@@ -12,8 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import requests
-
+from actors.sglang_server import SGLangServer
 from patches.settings import META_INFO_KEY
 
 
@@ -30,23 +29,23 @@ class CaptureResponse:
 
 
 def generate_and_capture(
-    url: str,
+    server: SGLangServer,
     rid: str,
     *,
     input_ids: list[int] | None = None,
     text: str | None = None,
     timeout: float = 600.0,
-    session: requests.Session | None = None,
 ) -> CaptureResponse:
-    """Prefill one prompt (token ids or text), generating a single token, and return where
-    its dump is. Raises CaptureError when the server reports no dump or a capture error."""
+    """Prefill one prompt (token ids or text) on `server` (with its key), generating a single
+    token, and return where its dump is. Raises CaptureError when the server reports no dump
+    or a capture error."""
     if (input_ids is None) == (text is None):
         raise ValueError("give exactly one of input_ids and text")
     payload: dict[str, Any] = {"rid": rid, "sampling_params": {"max_new_tokens": 1}}
     payload["input_ids" if input_ids is not None else "text"] = (
         input_ids if input_ids is not None else text
     )
-    response = (session or requests).post(url + "/generate", json=payload, timeout=timeout)
+    response = server.session.post(server.url + "/generate", json=payload, timeout=timeout)
     if response.status_code != 200:
         raise CaptureError(f"rid {rid}: HTTP {response.status_code}: {response.text[:500]}")
     meta_info = response.json()["meta_info"]

@@ -17,6 +17,7 @@ import functools
 import os
 import shutil
 import socket
+import tempfile
 import time
 import uuid
 from collections import Counter
@@ -66,6 +67,7 @@ class WorkerConfig:
     request_timeout: float = 900.0
     heartbeat_seconds: float = 10.0
     dump_root: str = "/dev/shm"
+    log_root: str | None = None  # the server's log goes under it; None: the system's temp dir
     rid_prefix: str = "hsx-"
     max_pending_bytes: int = 4 << 30
     writer_threads: int = 2
@@ -92,13 +94,15 @@ class NodeWorker:
         )
         self.probe_ids: list[int] = tokenizer(PROBE_TEXT)["input_ids"]
         self.dump_dir = Path(config.dump_root) / f"hsx-dumps-{self.id}-{uuid.uuid4().hex[:8]}"
+        # On disk, not in /dev/shm (it would hold RAM for as long as the machine is up), private
+        # (mkdtemp: 0700), and removed with the worker unless it failed.
+        self.log_dir = Path(tempfile.mkdtemp(prefix=f"hsx-worker-{self.id}-", dir=config.log_root))
         self.server: SGLangServer | None = None
         self.calibration: Calibration | None = None
         self.metrics = WorkerMetrics(self.id)
         self.restarts = 0
         self.phase = "starting"  # starting (server + calibration) | working | idle
         self.progress: dict[str, Any] = {"shard": None, "written": 0, "failed": 0}
-        self._http = requests.Session()
 
     # -- Ray API ------------------------------------------------------------------------------
 
@@ -117,8 +121,11 @@ class NodeWorker:
                     self.phase = "idle"
                     self.progress = {"shard": None, "written": 0, "failed": 0}
                     time.sleep(self.config.idle_poll_seconds)
-        finally:
-            self.shutdown()
+        except BaseException as exc:
+            self.shutdown(keep_log=True)
+            exc.add_note(f"worker {self.id}: the SGLang server's log is kept at {self.server_log}")
+            raise
+        self.shutdown()
         return summaries
 
     def server_pid(self) -> int | None:
@@ -127,11 +134,17 @@ class NodeWorker:
     def status(self) -> dict[str, Any]:
         return {"worker": self.id, "phase": self.phase, "restarts": self.restarts, **self.progress}
 
-    def shutdown(self) -> None:
+    @property
+    def server_log(self) -> Path:
+        return self.log_dir / "server.log"
+
+    def shutdown(self, keep_log: bool = False) -> None:
         if self.server is not None:
             self.server.stop()
             self.server = None
         shutil.rmtree(self.dump_dir, ignore_errors=True)
+        if not keep_log:
+            shutil.rmtree(self.log_dir, ignore_errors=True)
 
     # -- server lifecycle ---------------------------------------------------------------------
 
@@ -152,10 +165,9 @@ class NodeWorker:
             max_total_tokens=self.config.max_total_tokens or (None if on_gpu else 8192),
             extra_args=list(self.config.server_args),
         )
-        log = Path(self.config.dump_root) / f"hsx-server-{self.id}.log"
-        self.server = SGLangServer(spec, log).start(self.config.server_start_timeout)
+        self.server = SGLangServer(spec, self.server_log).start(self.config.server_start_timeout)
         self.calibration = calibrate(
-            self.server.url,
+            self.server,
             self.dump_dir,
             self.store.manifest,
             self.probe_ids,
@@ -292,11 +304,7 @@ class NodeWorker:
         rid = f"{self.config.rid_prefix}s{i}-a{attempt}-{uuid.uuid4().hex[:8]}"
         t0 = time.perf_counter()
         response = generate_and_capture(
-            self.server.url,
-            rid,
-            input_ids=input_ids.tolist(),
-            timeout=self.config.request_timeout,
-            session=self._http,
+            self.server, rid, input_ids=input_ids.tolist(), timeout=self.config.request_timeout
         )
         self.metrics.record_request(len(input_ids), time.perf_counter() - t0)
         return response

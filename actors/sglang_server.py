@@ -2,22 +2,32 @@
 
     spec = ServerSpec(model_path=..., capture=CaptureSettings(...), aux_layer_ids=[0, 1, 2])
     with SGLangServer(spec, log_path) as server:
-        requests.post(server.url + "/generate", ...)
+        server.session.post(server.url + "/generate", ...)
 
 The command line always carries what the capture path depends on: SGLang's own aux capture
 (`--enable-return-aux-hidden-states --speculative-algorithm EAGLE3`), `--disable-radix-cache`
 (cached prefix tokens are never recomputed, so never captured), loopback host, a free port
 and a KV cap. Without a GPU it adds the CPU flags.
+
+Nobody else drives the server: it requires a fresh random API key on every route but /health
+(and another, never used, on its admin routes: in SGLang 0.5.23 an admin route such as
+/update_weights_from_disk is open to anyone when no key is set). The keys reach it in a 0600
+config file removed once it is up, never on its command line; `server.session` sends the key,
+and the log masks both (actors/server_log.py). Everything it writes (dumps, host regions) is
+private to the user: it runs with umask 077. It dies with the process that started it
+(actors/die_with_parent.py).
 """
 
 from __future__ import annotations
 
+import json
 import os
-import shutil
+import secrets
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -25,6 +35,7 @@ from pathlib import Path
 import requests
 import torch
 
+from actors.server_log import RedactedLog
 from patches.settings import CaptureSettings
 
 
@@ -50,10 +61,11 @@ def free_port(host: str = "127.0.0.1") -> int:
         return s.getsockname()[1]
 
 
-def build_command(spec: ServerSpec, port: int) -> list[str]:
+def build_command(spec: ServerSpec, port: int, keys_file: Path) -> list[str]:
     device = spec.device or ("cuda" if torch.cuda.is_available() else "cpu")
     cmd = [
         sys.executable, "-m", "sglang.launch_server",
+        "--config", str(keys_file),  # the API keys: never on the command line
         "--model-path", str(spec.model_path),
         "--host", spec.host,
         "--port", str(port),
@@ -99,30 +111,50 @@ class SGLangServer:
         self.port = spec.port or free_port(spec.host)
         self.url = f"http://{spec.host}:{self.port}"
         self.process: subprocess.Popen[bytes] | None = None
+        self._api_key, self._admin_api_key = secrets.token_urlsafe(32), secrets.token_urlsafe(32)
+        self.session = requests.Session()  # for every request to this server: it sends the key
+        self.session.headers["Authorization"] = f"Bearer {self._api_key}"
+        self._log: RedactedLog | None = None
 
     def start(self, timeout: float = 180.0) -> SGLangServer:
         """Start the server and return once /health answers; raise with the log tail if not."""
-        self.log_path.parent.mkdir(parents=True, exist_ok=True)
-        with open(self.log_path, "ab") as log:
+        self.log_path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+        keys_file = self._write_keys()
+        try:
+            launcher = [sys.executable, "-m", "actors.die_with_parent", str(os.getpid()), "--"]
             self.process = subprocess.Popen(
-                _die_with_parent() + build_command(self.spec, self.port),
+                [*launcher, *build_command(self.spec, self.port, keys_file)],
                 env=build_env(self.spec),
-                stdout=log,
+                stdout=subprocess.PIPE,
                 stderr=subprocess.STDOUT,
                 stdin=subprocess.DEVNULL,
                 start_new_session=True,  # own process group: stop() reaps every child
+                umask=0o077,
             )
-        try:
+            assert self.process.stdout is not None
+            secrets_ = (self._api_key, self._admin_api_key)
+            self._log = RedactedLog(self.process.stdout, self.log_path, secrets_)
             self.wait_healthy(timeout)
         except BaseException:
             self.stop()
             raise
+        finally:
+            keys_file.unlink(missing_ok=True)  # read at startup; an answer on /health is later
         return self
+
+    def _write_keys(self) -> Path:
+        """A config file (0600, beside the log) that gives SGLang its two keys (JSON is YAML)."""
+        fd, path = tempfile.mkstemp(prefix="keys-", suffix=".yaml", dir=self.log_path.parent)
+        with os.fdopen(fd, "w") as f:
+            json.dump({"api-key": self._api_key, "admin-api-key": self._admin_api_key}, f)
+        return Path(path)
 
     def wait_healthy(self, timeout: float) -> None:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if not self.alive():
+                if self._log is not None:
+                    self._log.close()  # its last words copied into the log first
                 raise ServerError(f"SGLang server exited during startup:\n{self.log_tail()}")
             if self.healthy():
                 return
@@ -152,6 +184,8 @@ class SGLangServer:
                 break
         self.process.wait(timeout=5)
         self.process = None
+        if self._log is not None:
+            self._log.close()
 
     def log_tail(self, max_bytes: int = 4000) -> str:
         try:
@@ -165,14 +199,6 @@ class SGLangServer:
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
-
-
-def _die_with_parent() -> list[str]:
-    """A command prefix that sends the server SIGTERM when the process that started it dies,
-    so a crashed or killed worker never leaves an orphaned server holding the node's GPUs
-    (the server runs in its own session, out of reach of its parent's group)."""
-    setpriv = shutil.which("setpriv")  # util-linux; prctl(PR_SET_PDEATHSIG), kept across exec
-    return [setpriv, "--pdeathsig", "TERM", "--"] if setpriv else []
 
 
 def _wait_group_gone(leader: subprocess.Popen[bytes], timeout: float) -> bool:

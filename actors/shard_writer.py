@@ -125,15 +125,16 @@ def _gather(pieces: list[_Piece], which: str, rows: int, row_bytes: int) -> list
     return out
 
 
-def _write_file(path: Path, parts: list[memoryview]) -> None:
+def _write_file(path: Path, parts: list[memoryview], mode: int = 0o666) -> None:
     """Write `parts` as the file at `path`, each straight from its memory (the kernel copies it
-    into the page cache: no assembled copy), atomically as zarr's LocalStore does: a temp file
-    renamed over the key. One write() per part: writev() of the same parts measured ~3x slower
-    here (median 1.3 vs 0.45 s a round of benchmarks/writer_vs_tofile.py)."""
+        into the page cache: no assembled copy), atomically as zarr's LocalStore does: a temp file
+        renamed over the key. One write() per part: writev() of the same parts measured ~3x slower
+        here (median 1.3 vs 0.45 s a round of benchmarks/writer_vs_tofile.py). `mode`: before the
+    umask (store files as zarr makes them; spill files private)."""
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(f".{uuid.uuid4().hex}.partial")
     try:
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o666)
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, mode)
         try:
             for part in parts:
                 while part.nbytes:  # a short write: resume where it stopped
@@ -210,7 +211,7 @@ class ShardWriter:
         self._spill, self._spilled = spill_dir, set()
         self._fence_timeout = fence_timeout
         if spill_dir is not None:
-            spill_dir.mkdir(parents=True, exist_ok=True)
+            spill_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
         self.bytes_written, self.seconds, self.chunk_seconds = 0, 0.0, 0.0
         # write_empty_chunks: skip zarr's all-zero scan of every chunk (it runs on zarr's one
         # event-loop thread, ~0.7 GB/s here, and serialised all writes); a rewrite then also
@@ -464,7 +465,7 @@ class ShardWriter:
             if self._spill is not None:
                 for which, row in (("aux", self._aux_row), ("final", self._final_row)):
                     parts = _gather(pieces, which, self._c, row)
-                    _write_file(self._spill_path(k, which), parts)
+                    _write_file(self._spill_path(k, which), parts, mode=0o600)
                 self._spilled.add(k)
             else:
                 with self.fence.writing():

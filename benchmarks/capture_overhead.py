@@ -19,7 +19,6 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-import requests
 import torch
 
 from actors.capture_client import generate_and_capture, wait_for_dump
@@ -39,7 +38,7 @@ def make_prompts(count: int, length: int, vocab: int) -> list[list[int]]:
 
 
 def prefill_tokens_per_s(
-    url: str, prompts: list[list[int]], inflight: int, rid_prefix: str
+    server: SGLangServer, prompts: list[list[int]], inflight: int, rid_prefix: str
 ) -> float:
     """Prefill every prompt (K in flight); with capture, a request is done once its dump is."""
     capture = rid_prefix == RID_PREFIX
@@ -48,7 +47,7 @@ def prefill_tokens_per_s(
         rid = f"{rid_prefix}{i}"
         if capture:  # done once the dump is published; then released, as a worker would
             release_dump(
-                wait_for_dump(generate_and_capture(url, rid, input_ids=prompts[i]).dump_path)
+                wait_for_dump(generate_and_capture(server, rid, input_ids=prompts[i]).dump_path)
             )
         else:
             payload = {
@@ -56,7 +55,8 @@ def prefill_tokens_per_s(
                 "input_ids": prompts[i],
                 "sampling_params": {"max_new_tokens": 1},
             }
-            requests.post(url + "/generate", json=payload, timeout=600).raise_for_status()
+            response = server.session.post(server.url + "/generate", json=payload, timeout=600)
+            response.raise_for_status()
 
     start = time.perf_counter()
     with ThreadPoolExecutor(inflight) as pool:
@@ -85,14 +85,12 @@ def main() -> None:
             ServerSpec(model_path=model, capture=capture), work / "server.log"
         ) as server:
             for prefix in (RID_PREFIX, "warmup-"):
-                prefill_tokens_per_s(server.url, prompts[: args.inflight], args.inflight, prefix)
+                prefill_tokens_per_s(server, prompts[: args.inflight], args.inflight, prefix)
             rounds = alternate(
                 baseline=lambda: prefill_tokens_per_s(
-                    server.url, prompts, args.inflight, f"off{next(off_rounds)}-"
+                    server, prompts, args.inflight, f"off{next(off_rounds)}-"
                 ),
-                measured=lambda: prefill_tokens_per_s(
-                    server.url, prompts, args.inflight, RID_PREFIX
-                ),
+                measured=lambda: prefill_tokens_per_s(server, prompts, args.inflight, RID_PREFIX),
                 rounds=args.rounds,
             )
     finally:

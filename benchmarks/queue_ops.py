@@ -41,6 +41,7 @@ import ray
 
 from actors.lease_keeper import ray_caller
 from cluster.shard_queue import ShardQueue, ShardQueueActor
+from tools.ray_head import private_temp_dir
 
 TARGET = 2000
 METHODS = ("acquire", "begin_write", "end_write", "claim", "complete")
@@ -164,21 +165,28 @@ def main() -> None:
         f"{later:.0f} after {args.scale}"
     )
 
-    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
-    try:
-        clients = [Client.remote(f"w{i}") for i in range(args.clients)]
-        noop = Noop.remote()
-        queue = ShardQueueActor.remote(range(args.clients * args.warmup + timed))
-        ray.get([c.ready.remote() for c in clients] + [noop.call.remote()])
-        print(f"{args.clients} client actors, {timed} timed round trips each phase")
-        base, base_lat = phase(clients, noop, False, per_client, args.warmup)
-        report("baseline (no-op actor, same 5 calls)", base, base_lat)
-        value, lat = phase(clients, queue, True, per_client, args.warmup)
-        report("ShardQueueActor", value, lat)
-        status = ray.get(queue.status.remote())
-        assert status.completed == status.total and status.finished, status
-    finally:
-        ray.shutdown()
+    with private_temp_dir() as temp_dir:  # a Ray of its own: own ports, own files
+        ray.init(
+            address="local",
+            num_cpus=2,
+            include_dashboard=False,
+            log_to_driver=False,
+            _temp_dir=temp_dir,
+        )
+        try:
+            clients = [Client.remote(f"w{i}") for i in range(args.clients)]
+            noop = Noop.remote()
+            queue = ShardQueueActor.remote(range(args.clients * args.warmup + timed))
+            ray.get([c.ready.remote() for c in clients] + [noop.call.remote()])
+            print(f"{args.clients} client actors, {timed} timed round trips each phase")
+            base, base_lat = phase(clients, noop, False, per_client, args.warmup)
+            report("baseline (no-op actor, same 5 calls)", base, base_lat)
+            value, lat = phase(clients, queue, True, per_client, args.warmup)
+            report("ShardQueueActor", value, lat)
+            status = ray.get(queue.status.remote())
+            assert status.completed == status.total and status.finished, status
+        finally:
+            ray.shutdown()
     print(f"\nqueue / baseline: {value / base:.2f}")
     print(f"RESULT name=queue_ops value={value:.0f} target={TARGET} unit=round_trips/s")
 

@@ -23,7 +23,6 @@ from pathlib import Path
 
 import numpy as np
 import ray
-import requests
 import torch
 
 from actors.node_worker import NodeWorker, WorkerConfig
@@ -33,6 +32,7 @@ from cluster.shard_queue import ShardQueueActor
 from patches.settings import CaptureSettings
 from store.format import create_store, make_manifest
 from store.layers import expected_capture
+from tools.ray_head import private_temp_dir
 from tools.tiny_models import ensure_models
 
 TARGET = 0.85
@@ -48,15 +48,16 @@ def raw_prefill_tokens_per_s(
     def send(i: int) -> None:
         payload = {"rid": f"raw-{tag}-{i}", "input_ids": prompts[i]}
         payload["sampling_params"] = {"max_new_tokens": 1}
-        requests.post(url + "/generate", json=payload, timeout=600).raise_for_status()
+        server.session.post(server.url + "/generate", json=payload, timeout=600).raise_for_status()
 
-    with SGLangServer(spec, work / f"raw-{tag}.log") as server:
-        url = server.url
-        with ThreadPoolExecutor(inflight) as pool:
-            list(pool.map(send, range(inflight)))  # warm up
-            start = time.perf_counter()
-            list(pool.map(send, range(len(prompts))))
-            seconds = time.perf_counter() - start
+    with (
+        SGLangServer(spec, work / f"raw-{tag}.log") as server,
+        ThreadPoolExecutor(inflight) as pool,
+    ):
+        list(pool.map(send, range(inflight)))  # warm up
+        start = time.perf_counter()
+        list(pool.map(send, range(len(prompts))))
+        seconds = time.perf_counter() - start
     return sum(map(len, prompts)) / seconds
 
 
@@ -107,18 +108,25 @@ def main() -> None:
     ]
     work = Path(tempfile.mkdtemp(prefix="worker_vs_raw-", dir="/dev/shm"))
     tags = iter(range(2 * args.rounds))
-    ray.init(address="local", num_cpus=2, resources={"sglang_node": 1}, include_dashboard=False)
-    try:
-        rounds = alternate(
-            baseline=lambda: raw_prefill_tokens_per_s(
-                model, prompts, args.inflight, work, f"r{next(tags)}"
-            ),
-            measured=lambda: worker_tokens_per_s(model, prompts, args, work, f"r{next(tags)}"),
-            rounds=args.rounds,
+    with private_temp_dir() as temp_dir:  # a Ray of its own: own ports, own files
+        ray.init(
+            address="local",
+            num_cpus=2,
+            resources={"sglang_node": 1},
+            include_dashboard=False,
+            _temp_dir=temp_dir,
         )
-    finally:
-        ray.shutdown()
-        shutil.rmtree(work, ignore_errors=True)
+        try:
+            rounds = alternate(
+                baseline=lambda: raw_prefill_tokens_per_s(
+                    model, prompts, args.inflight, work, f"r{next(tags)}"
+                ),
+                measured=lambda: worker_tokens_per_s(model, prompts, args, work, f"r{next(tags)}"),
+                rounds=args.rounds,
+            )
+        finally:
+            ray.shutdown()
+            shutil.rmtree(work, ignore_errors=True)
 
     print(f"{args.prompts} prompts x {args.length} tokens, K={args.inflight} in flight")
     rounds.show("tokens/s", baseline="raw prefill", measured="worker")

@@ -78,6 +78,7 @@ class WorkerConfigSection(_Section):
     inflight: int = Field(8, ge=1)  # requests in flight per server, so SGLang batches them
     sample_attempts: int = Field(3, ge=1)  # then the sample is recorded as failed
     dump_root: str = "/dev/shm"
+    log_root: str | None = None  # servers' logs (private, kept if failed); null: temp dir
     max_pending_bytes: int = Field(4 << 30, ge=1 << 20)
     writer_threads: int = Field(2, ge=1)
     heartbeat_s: float = Field(10.0, gt=0)

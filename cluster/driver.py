@@ -55,6 +55,7 @@ def worker_config(config: JobConfig) -> WorkerConfig:
         request_timeout=s.request_timeout_s,
         heartbeat_seconds=w.heartbeat_s,
         dump_root=w.dump_root,
+        log_root=w.log_root,
         max_pending_bytes=w.max_pending_bytes,
         writer_threads=w.writer_threads,
         fence_timeout=config.queue.lease_s * 5,

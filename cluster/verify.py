@@ -21,12 +21,15 @@ import uuid
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from store.format import HIDDEN_ARRAYS, STATUS_WRITTEN, Store, sha256_file
 from store.verify import VerifyReport, describe_recompute, verify_store
+
+if TYPE_CHECKING:
+    from actors.sglang_server import SGLangServer
 
 # (min cosine, max relative RMS error) of stored rows against a fresh capture (another batch).
 TOLERANCE = {"bfloat16": (0.999, 0.02), "float32": (0.99999, 1e-3)}
@@ -123,7 +126,7 @@ class _Recompute:
             self.say(f"recompute: starting SGLang on {self.model_path} ({' '.join(args)})")
             server.start(timeout=900)
             probe = self.tokenizer()(PROBE_TEXT)["input_ids"]
-            calibrate(server.url, work / "dumps", m, probe, "hsx-")  # same fields as a worker
+            calibrate(server, work / "dumps", m, probe, "hsx-")  # same fields as a worker
             yield server, work / "dumps"
         finally:
             server.stop()
@@ -142,7 +145,7 @@ class _Recompute:
         with self.server(longest) as (server, _):
             for i in samples:
                 try:
-                    results.append(self.one(server.url, i))
+                    results.append(self.one(server, i))
                 except Exception as exc:
                     self.report.error(
                         "recompute",
@@ -155,14 +158,14 @@ class _Recompute:
     def label(self, i: int) -> str:
         return f"{i} ({self.store.group['sample_id'][i]})"
 
-    def one(self, url: str, i: int) -> dict[str, Any]:
+    def one(self, server: SGLangServer, i: int) -> dict[str, Any]:
         from actors.capture_client import generate_and_capture, wait_for_dump
         from patches.dump_files import read_dump, release_dump
 
         g, rows = self.store.group, self.store.sample_rows(i)
         ids = np.asarray(g["input_ids"][rows]).astype(np.int64)
         rid = f"hsx-verify-s{i}-{uuid.uuid4().hex[:8]}"
-        response = generate_and_capture(url, rid, input_ids=ids.tolist())
+        response = generate_and_capture(server, rid, input_ids=ids.tolist())
         try:
             tensors, meta = read_dump(wait_for_dump(response.dump_path))
             if meta.get("rid") != rid or not np.array_equal(tensors["input_ids"].numpy(), ids):

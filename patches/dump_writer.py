@@ -240,7 +240,7 @@ class DumpWriter:
         scan_interval: float = 0.005,
     ) -> None:
         self.root = Path(root)
-        self.root.mkdir(parents=True, exist_ok=True)
+        self.root.mkdir(mode=0o700, parents=True, exist_ok=True)  # prompts' activations: private
         self.max_pending_bytes = max_pending_bytes
         if device is None and torch.cuda.is_available():
             device = torch.cuda.current_device()
@@ -416,7 +416,7 @@ class DumpWriter:
             self._outstanding.add(seq)
         tmp = self.root / f".tmp-{name}"
         try:
-            tmp.mkdir()
+            tmp.mkdir(mode=0o700)
             dst = tmp / "tensors.safetensors"
             os.rename(region.path, dst)
             region.path = dst
@@ -524,7 +524,7 @@ class DumpWriter:
     def _probe_ring(self) -> bool:
         """Use the ring only if files on root can be registered; otherwise warn and fall back."""
         try:
-            self._ring_dir.mkdir()
+            self._ring_dir.mkdir(mode=0o700)
             ok = can_register_files_in(self._ring_dir)
         except Exception:  # e.g. no CUDA at all
             log.exception("DumpWriter: probing %s", self._ring_dir)

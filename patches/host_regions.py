@@ -60,7 +60,7 @@ class Region:
         self.path = ring / f"new-{uuid.uuid4().hex}"  # scans only look at free-*
         self.state = "new"  # -> free -> open -> published -> free ... | leaked
         self.registered = False
-        fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o644)
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
         self.fd = fd
         self.mm: mmap.mmap | None = None
         self.buf: torch.Tensor | None = None
@@ -105,10 +105,10 @@ class PreallocatedFile:
     so that neither the forward nor the publisher pays for zeroing fresh tmpfs pages."""
 
     def __init__(self, dirpath: Path, nbytes: int) -> None:
-        dirpath.mkdir()
+        dirpath.mkdir(mode=0o700)
         self.dir = dirpath
         self.capacity = nbytes
-        fd = os.open(dirpath / "tensors.safetensors", os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o644)
+        fd = os.open(dirpath / "tensors.safetensors", os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
         try:
             os.ftruncate(fd, nbytes)
             os.posix_fallocate(fd, 0, nbytes)  # GIL released
@@ -149,7 +149,7 @@ def can_register_files_in(dirpath: Path) -> bool:
 
     Raises without CUDA at all."""
     probe = dirpath / "probe"
-    fd = os.open(probe, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
+    fd = os.open(probe, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
     try:
         os.ftruncate(fd, _PAGE)
         mm = mmap.mmap(fd, _PAGE, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)

@@ -4,6 +4,7 @@ that very prompt, under batching and chunked prefill; foreign traffic leaves not
 from __future__ import annotations
 
 import re
+import stat
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -109,10 +110,12 @@ def prompts(model_path: Path, count: int, max_words: int = 60) -> list[list[int]
     return out
 
 
-def capture_concurrently(url: str, batch: list[list[int]], tag: str) -> list[CaptureResponse]:
+def capture_concurrently(
+    server: SGLangServer, batch: list[list[int]], tag: str
+) -> list[CaptureResponse]:
     with ThreadPoolExecutor(len(batch)) as pool:
         futures = [
-            pool.submit(generate_and_capture, url, f"hsx-{tag}-{i}", input_ids=ids)
+            pool.submit(generate_and_capture, server, f"hsx-{tag}-{i}", input_ids=ids)
             for i, ids in enumerate(batch)
         ]
         return [f.result() for f in futures]
@@ -137,7 +140,7 @@ def assert_matches_reference(capturing: CapturingServer, tensors: dict, what: st
 
 def test_batched_dumps_match_hf_reference_per_prompt(capturing: CapturingServer) -> None:
     batch = prompts(capturing.model_path, 8)
-    responses = capture_concurrently(capturing.server.url, batch, "batch")
+    responses = capture_concurrently(capturing.server, batch, "batch")
 
     references = [
         reference_states(capturing.model_path, ids, capturing.case.expected_layer_ids)
@@ -174,7 +177,7 @@ def test_prompt_longer_than_chunked_prefill_is_one_correct_dump(
     chunk = capturing.case.chunked_prefill_size
     ids = [t for p in prompts(capturing.model_path, 12) for t in p][: 5 * chunk + 7]
     assert len(ids) > 4 * chunk
-    response = generate_and_capture(capturing.server.url, "hsx-long", input_ids=ids)
+    response = generate_and_capture(capturing.server, "hsx-long", input_ids=ids)
     tensors, meta = read_dump(wait_for_dump(response.dump_path))
     assert meta["num_tokens"] == len(ids) and tensors["input_ids"].tolist() == ids
     assert_matches_reference(capturing, tensors, "long prompt")
@@ -186,7 +189,7 @@ def test_warmup_health_and_foreign_requests_leave_no_dump(capturing: CapturingSe
     before = dump_entries(capturing.dump_dir)
     for _ in range(3):
         assert requests.get(capturing.server.url + "/health", timeout=30).status_code == 200
-    response = requests.post(
+    response = capturing.server.session.post(
         capturing.server.url + "/generate",
         json={
             "text": "no prefix here",
@@ -203,7 +206,7 @@ def test_warmup_health_and_foreign_requests_leave_no_dump(capturing: CapturingSe
 def test_inactive_plugin_captures_nothing(llama_path: Path, tmp_path: Path) -> None:
     spec = ServerSpec(model_path=llama_path, capture=CaptureSettings(None, "hsx-", 1 << 28, True))
     with SGLangServer(spec, tmp_path / "server.log") as server:
-        response = requests.post(
+        response = server.session.post(
             server.url + "/generate",
             json={
                 "text": "hello there",
@@ -229,7 +232,7 @@ def test_deepseek_mla_on_cpu_is_wrong_without_the_fix(deepseek_path: Path, tmp_p
     server = SGLangServer(spec, tmp_path / "server.log")
     try:
         server.start()  # the startup warmup prefill may already take it down
-        generate_and_capture(server.url, "hsx-bug", input_ids=prompts(deepseek_path, 1)[0])
+        generate_and_capture(server, "hsx-bug", input_ids=prompts(deepseek_path, 1)[0])
     except Exception as exc:
         log = server.log_tail(10**7)
         assert "torch_native_backend" in log, f"failed for another reason: {exc}\n{log[-3000:]}"
@@ -241,9 +244,59 @@ def test_deepseek_mla_on_cpu_is_wrong_without_the_fix(deepseek_path: Path, tmp_p
 
 def test_a_finished_rid_sent_again_is_captured_again(capturing: CapturingServer) -> None:
     first, second = prompts(capturing.model_path, 2)
-    a = generate_and_capture(capturing.server.url, "hsx-reused", input_ids=first)
-    b = generate_and_capture(capturing.server.url, "hsx-reused", input_ids=second)
+    a = generate_and_capture(capturing.server, "hsx-reused", input_ids=first)
+    b = generate_and_capture(capturing.server, "hsx-reused", input_ids=second)
     assert b.dump_index > a.dump_index
     for response, ids in ((a, first), (b, second)):
         tensors, meta = read_dump(wait_for_dump(response.dump_path))
         assert meta["rid"] == "hsx-reused" and tensors["input_ids"].tolist() == ids
+
+
+def server_processes(server: SGLangServer) -> list[Path]:
+    """/proc entries of every process of the server's group."""
+    assert server.process is not None
+    pgid = server.process.pid
+    return [p for p in Path("/proc").iterdir() if p.name.isdigit() and _pgid(p) == pgid]
+
+
+def _pgid(proc: Path) -> int | None:
+    try:  # field 5 of stat, after the command name in parentheses
+        return int((proc / "stat").read_text().rsplit(")", 1)[1].split()[2])
+    except (OSError, IndexError, ValueError):
+        return None
+
+
+def test_nobody_without_the_key_drives_the_server_and_the_key_is_never_shown(
+    capturing: CapturingServer,
+) -> None:
+    server = capturing.server
+    prompt = {"text": "hello", "sampling_params": {"max_new_tokens": 1}}
+    weights = {"model_path": str(capturing.model_path)}
+    for headers in ({}, {"Authorization": "Bearer wrong-key"}):
+        for route, body in (("/generate", prompt), ("/update_weights_from_disk", weights)):
+            response = requests.post(server.url + route, json=body, headers=headers, timeout=60)
+            assert response.status_code in (401, 403), (route, headers, response.status_code)
+    assert requests.get(server.url + "/health", timeout=30).status_code == 200  # probes
+    # The worker's own session carries the key.
+    assert server.session.post(server.url + "/generate", json=prompt, timeout=60).ok
+    key = server.session.headers["Authorization"].removeprefix("Bearer ")
+    secrets = (key, server._admin_api_key)
+    # Never in the log (SGLang logs its arguments), any process's command line or environment,
+    # and the config file that carried the keys is gone.
+    log = server.log_path.read_text()
+    assert "api_key" in log and not any(s in log for s in secrets)
+    processes = server_processes(server)
+    assert len(processes) >= 2  # the server and its scheduler
+    for proc in processes:
+        for what in ("cmdline", "environ"):
+            assert not any(s.encode() in (proc / what).read_bytes() for s in secrets), what
+    assert not list(server.log_path.parent.glob("keys-*"))
+
+
+def test_everything_the_server_writes_is_private_to_the_user(capturing: CapturingServer) -> None:
+    capture_concurrently(capturing.server, prompts(capturing.model_path, 3), "private")
+    written = [capturing.server.log_path, capturing.dump_dir, *capturing.dump_dir.rglob("*")]
+    assert len(written) > 5
+    for path in written:
+        mode = stat.S_IMODE(path.stat().st_mode)
+        assert mode == (0o700 if path.is_dir() else 0o600), f"{path}: {oct(mode)}"

@@ -32,6 +32,7 @@ from store.export import FORMATS, export
 from store.format import Store
 from store.reader import HiddenStatesDataset
 from tests.test_node_worker import assert_store_matches_reference
+from tools.ray_head import private_temp_dir
 from tools.s3_server import S3Server
 
 pytestmark = pytest.mark.slow
@@ -41,15 +42,17 @@ WORDS = "a draft model learns what the target model would say next at every toke
 
 @pytest.fixture(scope="module")
 def two_nodes() -> Iterator[Cluster]:
-    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1})
-    for _ in range(2):
-        cluster.add_node(num_cpus=1, resources={"sglang_node": 1})
-    ray.init(address=cluster.address, log_to_driver=False)
-    try:
-        yield cluster
-    finally:
-        ray.shutdown()
-        cluster.shutdown()
+    with private_temp_dir() as temp_dir:
+        head = {"num_cpus": 1, "temp_dir": temp_dir}
+        cluster = Cluster(initialize_head=True, head_node_args=head)
+        for _ in range(2):
+            cluster.add_node(num_cpus=1, resources={"sglang_node": 1}, temp_dir=temp_dir)
+        ray.init(address=cluster.address, log_to_driver=False)
+        try:
+            yield cluster
+        finally:
+            ray.shutdown()
+            cluster.shutdown()
 
 
 def good_rows(count: int) -> list[dict[str, Any]]:

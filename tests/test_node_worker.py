@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import os
 import signal
+import stat
 import time
+import traceback
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -78,6 +80,7 @@ def worker_config(model_path: Path, store_url: Path, tmp_path: Path, **overrides
         server_args=["--dtype", DTYPE],
         inflight=4,
         dump_root=str(tmp_path),
+        log_root=str(tmp_path),
         heartbeat_seconds=0.5,
         restart_backoff=0.5,
         server_start_timeout=240,
@@ -165,6 +168,7 @@ def test_worker_writes_two_shards_matching_reference_and_plan(
     assert np.array_equal(store.group["loss_mask"][:], planned_mask)
     assert planned_mask.any() and not planned_mask.all()
     assert not list(tmp_path.glob("hsx-dumps-*")), "the worker leaves no dumps behind"
+    assert not list(tmp_path.glob("hsx-worker-*")), "nor its server's log, having succeeded"
 
 
 def test_server_killed_mid_shard_is_restarted_and_the_shard_completes(
@@ -238,5 +242,11 @@ def test_worker_fails_with_the_log_tail_when_the_server_cannot_start(
         deepseek_path, tmp_path / "store.zarr", tmp_path, server_args=["--no-such-flag"]
     )
     worker = NodeWorker.options(resources={"sglang_node": 1}).remote(config, queue)
-    with pytest.raises(ServerError, match="no-such-flag"):
+    with pytest.raises(ServerError, match="no-such-flag") as failure:
         ray.get(worker.run.remote(), timeout=300)
+    # A failed worker keeps its server's log (private), and says where.
+    (log,) = tmp_path.glob("hsx-worker-*/server.log")
+    assert "no-such-flag" in log.read_text()
+    assert str(log) in "".join(traceback.format_exception(failure.value))
+    assert stat.S_IMODE(log.stat().st_mode) == 0o600
+    assert stat.S_IMODE(log.parent.stat().st_mode) == 0o700

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import copy
 import json
+import shlex
 from pathlib import Path
 from typing import Any
 
@@ -221,3 +222,51 @@ def test_kimi_server_args_parse_with_the_installed_sglang() -> None:
     assert unknown == []
     assert parsed.trust_remote_code is True
     assert parsed.context_length == 8448 and parsed.chunked_prefill_size == 8192
+
+
+def _exports_before_ray_start(command: str) -> dict[str, str]:
+    """The variables a shell command exports before it runs `ray start`."""
+    steps = [step.strip() for step in command.split("&&")]
+    start = next(k for k, step in enumerate(steps) if step.startswith("ray start"))
+    exported = {}
+    for step in steps[:start]:
+        words = shlex.split(step)
+        if words and words[0] == "export":
+            exported.update(word.split("=", 1) for word in words[1:])
+    return exported
+
+
+def test_every_ray_node_of_the_launcher_file_starts_with_token_auth() -> None:
+    config = load_yaml("cluster.yaml")
+    starts = [
+        command
+        for command in config["head_start_ray_commands"] + config["worker_start_ray_commands"]
+        if "ray start" in command
+    ]
+    assert len(starts) == 2  # the head and the GPU nodes
+    for command in starts:
+        env = _exports_before_ray_start(command)
+        assert env.get("RAY_AUTH_MODE") == "token", command
+        token = env.get("RAY_AUTH_TOKEN_PATH")
+        # Ray aborts on an unreadable token path: the file is shipped to every node and checked.
+        assert token in config["file_mounts"], f"{token} is not shipped to the nodes"
+        assert any(f"test -s {token}" in c for c in config["setup_commands"])
+        assert any(f"chmod 600 {token}" in c for c in config["setup_commands"])
+        assert "RAY_AUTH_TOKEN=" not in command  # never the secret itself in the file
+
+
+def test_every_ray_container_of_the_rayjob_requires_the_token_from_a_secret() -> None:
+    spec = load_yaml("kuberay_rayjob.yaml")["spec"]
+    cluster = spec["rayClusterSpec"]
+    pods = {
+        "head": cluster["headGroupSpec"]["template"],
+        **{g["groupName"]: g["template"] for g in cluster["workerGroupSpecs"]},
+        "submitter": spec["submitterPodTemplate"],  # runs `ray job submit` against the head
+    }
+    for name, pod in pods.items():
+        ray_container = pod["spec"]["containers"][0]
+        env = {e["name"]: e for e in ray_container.get("env", [])}
+        assert env.get("RAY_AUTH_MODE", {}).get("value") == "token", name
+        token = env.get("RAY_AUTH_TOKEN", {})
+        assert "value" not in token, f"{name}: a literal token in the file"
+        assert token.get("valueFrom", {}).get("secretKeyRef", {}).get("name"), name

@@ -51,3 +51,50 @@ def test_server_dies_with_the_process_that_started_it(llama_path: Path, tmp_path
             time.sleep(0.5)
     finally:
         starter.kill()
+
+
+LAUNCHER = """
+import os, subprocess, sys, time
+child = subprocess.Popen(
+    [sys.executable, "-m", "actors.die_with_parent", str(os.getpid()), "--", "sleep", "600"],
+    start_new_session=True,
+)
+print(child.pid, flush=True)
+time.sleep(600)
+"""
+
+
+def running(pid: int) -> bool:
+    """Alive and not a zombie (an orphan's zombie may wait for a reaper that never comes)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+def test_die_with_parent_takes_the_command_down_with_its_starter() -> None:
+    starter = subprocess.Popen([sys.executable, "-c", LAUNCHER], stdout=subprocess.PIPE, text=True)
+    try:
+        pid = int(starter.stdout.readline())
+        deadline = time.monotonic() + 30
+        while b"sleep" not in Path(f"/proc/{pid}/cmdline").read_bytes():  # exec'd by now
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        starter.send_signal(signal.SIGKILL)
+        starter.wait(timeout=10)
+        deadline = time.monotonic() + 10
+        while running(pid):
+            assert time.monotonic() < deadline, "the command outlived its starter"
+            time.sleep(0.05)
+    finally:
+        starter.kill()
+
+
+def test_die_with_parent_refuses_to_start_for_a_parent_already_gone() -> None:
+    launched = subprocess.run(
+        [sys.executable, "-m", "actors.die_with_parent", "1", "--", "sleep", "600"],
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
+    assert launched.returncode != 0 and "parent 1 is gone" in launched.stderr

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import stat
 import threading
+import time
 from pathlib import Path
 
 import ml_dtypes
@@ -292,6 +294,14 @@ def test_a_deferred_duplicate_that_loses_leaves_no_trace(tmp_path: Path) -> None
     dup = ShardWriter(store, sh, threads=1, fence=dup_fence, spill_dir=tmp_path / "spill")
     for i in range(sh.sample_begin, sh.sample_end):
         dup.write_sample(i, *(as_input(x, i) for x in other_bits(i)))
+    # Spilled chunks are the prompts' activations: private to the user.
+    spill = tmp_path / "spill"
+    deadline = time.monotonic() + 10
+    while not list(spill.glob("*.bin")):
+        assert time.monotonic() < deadline, "nothing spilled"
+        time.sleep(0.01)
+    assert stat.S_IMODE(spill.stat().st_mode) == 0o700
+    assert all(stat.S_IMODE(p.stat().st_mode) == 0o600 for p in spill.glob("*.bin"))
     orig = ShardWriter(store, sh, threads=1, fence=orig_fence)
     for i in range(sh.sample_begin, sh.sample_end):
         orig.write_sample(i, *(as_input(x, i) for x in sample_bits(i)))

@@ -2,9 +2,13 @@
 
 `ray start --head --block` stays in the foreground and takes the head's processes down with it
 when terminated, so stopping it never touches another Ray on the machine (`ray stop` would
-stop every one). Every port it opens is a free one, for the same reason. The head requires a
-token of its own (Ray's token authentication, on by default for local clusters since Ray 2.59):
-clients get it through the environment `local_head` yields, never from files in $HOME.
+stop every one). Every port it opens is a free one, and its files (sessions, sockets, logs,
+runtime_env packages) go to a temp dir of its own, removed afterwards, for the same reason: in
+Ray's shared default (/tmp/ray) a job once failed to download its runtime_env package while
+another Ray ran on the machine (`private_temp_dir` gives the tests' and benchmarks' heads the
+same). The head requires a token of its own (Ray's token authentication, on by default for local
+clusters since Ray 2.59): clients get it through the environment `local_head` yields, never from
+files in $HOME.
 """
 
 from __future__ import annotations
@@ -12,9 +16,11 @@ from __future__ import annotations
 import json
 import os
 import secrets
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -28,14 +34,33 @@ BIN = Path(sys.executable).parent  # the venv's ray and python
 
 
 @contextmanager
+def private_temp_dir() -> Iterator[str]:
+    """A Ray temp dir of one head's own (`--temp-dir`, `ray.init(_temp_dir=...)`), removed
+    afterwards. Short, under /tmp: Ray's Unix socket paths inside it must stay under 108 bytes."""
+    path = tempfile.mkdtemp(prefix="hsx-ray-", dir="/tmp")
+    try:
+        yield path
+    finally:
+        shutil.rmtree(path, ignore_errors=True)
+
+
+@contextmanager
 def local_head(
     resources: dict[str, float], num_cpus: int, log_path: Path, timeout: float = 180.0
 ) -> Iterator[tuple[str, dict[str, str]]]:
     """Yields the head's job API address (http://127.0.0.1:PORT) and the environment for its
     clients (`ray job submit`, ...): the venv on PATH and the head's auth token."""
+    with private_temp_dir() as temp_dir:
+        yield from _head(resources, num_cpus, log_path, timeout, temp_dir)
+
+
+def _head(
+    resources: dict[str, float], num_cpus: int, log_path: Path, timeout: float, temp_dir: str
+) -> Iterator[tuple[str, dict[str, str]]]:
     dashboard = free_port()
     cmd = [
         str(BIN / "ray"), "start", "--head", "--block", "--disable-usage-stats",
+        f"--temp-dir={temp_dir}",
         "--node-ip-address=127.0.0.1",
         f"--port={free_port()}",
         "--include-dashboard=true", "--dashboard-host=127.0.0.1", f"--dashboard-port={dashboard}",
