@@ -13,6 +13,7 @@ resumes with its unwritten samples.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 import shutil
@@ -44,7 +45,7 @@ from actors.lease_keeper import Lease, LeaseKeeper, LeaseLost, ray_caller
 from actors.sglang_server import ServerError, ServerSpec, SGLangServer
 from actors.shard_writer import ShardWriter
 from actors.worker_metrics import WorkerMetrics
-from patches.dump_files import read_dump, release_dump
+from patches.dump_files import TMP_PREFIX, clear_unpublished, read_dump, release_dump
 from patches.settings import CaptureSettings
 from store.format import Store
 
@@ -94,6 +95,7 @@ class NodeWorker:
         )
         self.probe_ids: list[int] = tokenizer(PROBE_TEXT)["input_ids"]
         self.dump_dir = Path(config.dump_root) / f"hsx-dumps-{self.id}-{uuid.uuid4().hex[:8]}"
+        self.server_dumps = self.dump_dir / "server-0"  # this server start's (see _start_server)
         # On disk, not in /dev/shm (it would hold RAM for as long as the machine is up), private
         # (mkdtemp: 0700), and removed with the worker unless it failed.
         self.log_dir = Path(tempfile.mkdtemp(prefix=f"hsx-worker-{self.id}-", dir=config.log_root))
@@ -132,7 +134,19 @@ class NodeWorker:
         return self.server.process.pid if self.server and self.server.process else None
 
     def status(self) -> dict[str, Any]:
-        return {"worker": self.id, "phase": self.phase, "restarts": self.restarts, **self.progress}
+        return {
+            "worker": self.id,
+            "phase": self.phase,
+            "restarts": self.restarts,
+            "dumps_held": self._dumps_held(),
+            **self.progress,
+        }
+
+    def _dumps_held(self) -> int:
+        """Dumps published or being published and not yet released (they hold /dev/shm, and
+        on GPU count against max_pending_bytes)."""
+        held = ("req_", f"{TMP_PREFIX}req_")
+        return sum(p.name.startswith(held) for p in self.dump_dir.glob("server-*/*"))
 
     @property
     def server_log(self) -> Path:
@@ -149,12 +163,21 @@ class NodeWorker:
     # -- server lifecycle ---------------------------------------------------------------------
 
     def _start_server(self) -> None:
+        """Start a server and calibrate it. Each start dumps into a folder of its own: a
+        restarted server numbers its dumps from 0 again, and must never meet a name the dead
+        one left. What that one never published is removed first; its published dumps still
+        lent to the writer are released as usual."""
         self.phase = "starting"
+        for earlier in self.dump_dir.glob("server-*"):  # every server there is gone by now
+            clear_unpublished(earlier)
+            with contextlib.suppress(OSError):  # empty: nothing of it is held any more
+                earlier.rmdir()
+        self.server_dumps = self.dump_dir / f"server-{self.restarts}"
         on_gpu = torch.cuda.is_available()
         spec = ServerSpec(
             model_path=Path(self.config.model_path),
             capture=CaptureSettings(
-                self.dump_dir,
+                self.server_dumps,
                 self.config.rid_prefix,
                 self.config.max_pending_bytes,
                 mla_cpu_fix=True,
@@ -168,7 +191,7 @@ class NodeWorker:
         self.server = SGLangServer(spec, self.server_log).start(self.config.server_start_timeout)
         self.calibration = calibrate(
             self.server,
-            self.dump_dir,
+            self.server_dumps,
             self.store.manifest,
             self.probe_ids,
             spec.capture.rid_prefix,
@@ -231,6 +254,7 @@ class NodeWorker:
                     todo = self._capture_samples(todo, planned, attempts, writer)
                     if todo:  # the server died with these unwritten
                         self._restart_server()
+                        self.phase = "working"
                 summary = writer.commit(self._summary(lease, started, writer))
             except LeaseLost:
                 writer.abort()
@@ -261,10 +285,9 @@ class NodeWorker:
         queue, left = list(todo), []
         sending: dict[Future[CaptureResponse], int] = {}
         reading: dict[Future[Captured], int] = {}
-        with (
-            ThreadPoolExecutor(self.config.inflight, thread_name_prefix="request") as requesters,
-            ThreadPoolExecutor(self.config.inflight, thread_name_prefix="read") as readers,
-        ):
+        requesters = ThreadPoolExecutor(self.config.inflight, thread_name_prefix="request")
+        readers = ThreadPoolExecutor(self.config.inflight, thread_name_prefix="read")
+        try:
             while queue or sending or reading:
                 while queue and len(sending) < self.config.inflight:
                     i = queue.pop(0)
@@ -293,6 +316,14 @@ class NodeWorker:
                 if left:  # the server is gone: what is queued waits for its restart
                     left += queue
                     queue = []
+        except BaseException:  # e.g. the lease lost: nothing more is sent, nothing kept
+            for pool in (requesters, readers):
+                pool.shutdown(wait=True, cancel_futures=True)
+            _release_unconsumed([*sending, *reading])
+            raise
+        finally:
+            requesters.shutdown()
+            readers.shutdown()
         return left
 
     def _server_ok(self) -> bool:
@@ -364,3 +395,14 @@ class NodeWorker:
             "deferred": lease.deferred,
             "server_restarts": self.restarts,
         }
+
+
+def _release_unconsumed(futures: list[Future[Any]]) -> None:
+    """Release the dumps of responses never read and of captures never written (a shard left
+    early): every dump a finished request produced, once it is published."""
+    for future in futures:
+        if future.cancelled() or future.exception() is not None:
+            continue  # no dump, or its reader released it (_read_verified)
+        path = future.result().dump_path
+        with contextlib.suppress(CaptureError):  # never published: nothing to release
+            release_dump(wait_for_dump(path, timeout=30))

@@ -53,6 +53,8 @@ _ST_DTYPES: dict[torch.dtype, str] = {
 ALIGN = 4096
 PAD_KEY = "__pad__"  # ring dumps: uint8 tensor filling the region after the real tensors
 RING_DIR = ".ring"  # under root: the ring's free regions, where release_dump returns files
+TMP_PREFIX = ".tmp-"  # a dump being written; renamed to its name once published
+POOL_PREFIX = ".pool-"  # a writer's preallocated files, not yet a dump
 
 
 class _ReleaseListener(Protocol):
@@ -165,3 +167,17 @@ def release_dump(path: Path) -> None:
             with contextlib.suppress(FileNotFoundError):
                 if os.path.samestat(os.stat(w.root), key):
                     w.poke()
+
+
+def clear_unpublished(root: Path) -> int:
+    """Remove what dump writers that are gone left on `root` besides published dumps: dumps
+    they never finished (``.tmp-*``), their preallocated files (``.pool-*``) and their free
+    regions (``.ring``). Only while no writer is alive on `root`. Published dumps stay: their
+    reader releases them. Returns how many entries were removed."""
+    stale = [p for p in root.iterdir() if p.name.startswith((TMP_PREFIX, POOL_PREFIX, RING_DIR))]
+    for path in stale:
+        if path.is_dir():
+            shutil.rmtree(path, ignore_errors=True)
+        else:
+            path.unlink(missing_ok=True)
+    return len(stale)

@@ -49,7 +49,16 @@ from pathlib import Path
 
 import torch
 
-from patches.dump_files import ALIGN, RING_DIR, RING_WRITERS, TensorSpecs, layout, ring_file_size
+from patches.dump_files import (
+    ALIGN,
+    POOL_PREFIX,
+    RING_DIR,
+    RING_WRITERS,
+    TMP_PREFIX,
+    TensorSpecs,
+    layout,
+    ring_file_size,
+)
 from patches.host_regions import PreallocatedFile, Region, can_register_files_in, copy_to_file
 
 log = logging.getLogger(__name__)
@@ -365,7 +374,7 @@ class DumpWriter:
             self._seq += 1
             seq = self._seq
             self._outstanding.add(seq)
-        tmp = self.root / f".tmp-{name}"
+        tmp = self.root / f"{TMP_PREFIX}{name}"
         try:
             os.rename(file.dir, tmp)
             file.dir = tmp
@@ -414,7 +423,7 @@ class DumpWriter:
             self._seq += 1
             seq = self._seq
             self._outstanding.add(seq)
-        tmp = self.root / f".tmp-{name}"
+        tmp = self.root / f"{TMP_PREFIX}{name}"
         try:
             tmp.mkdir(mode=0o700)
             dst = tmp / "tensors.safetensors"
@@ -738,7 +747,7 @@ class DumpWriter:
                     self._ready.remove(stale)
                 self._making += 1
                 self._seq_file += 1
-                path = self.root / f".pool-{os.getpid()}-{self._seq_file}"
+                path = self.root / f"{POOL_PREFIX}{os.getpid()}-{self._seq_file}"
             file = None
             try:
                 if stale is not None:

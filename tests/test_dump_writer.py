@@ -7,6 +7,9 @@ import contextlib
 import json
 import os
 import shutil
+import signal
+import subprocess
+import sys
 import tempfile
 import threading
 import time
@@ -587,3 +590,31 @@ def test_ring_cleans_stale_and_foreign_region_files(shm_path: Path, ring_mode: s
     assert "free-foreign" not in os.listdir(root / df.RING_DIR)
     w.close(timeout=30)
     assert os.listdir(root) == []
+
+
+CRASHING_WRITER = """
+import os, signal, sys, torch
+from patches.dump_writer import DumpWriter
+w = DumpWriter(sys.argv[1], device="cpu")
+done = w.open("done", {"a": ((64, 64), torch.float32)}, {"x": 1})
+done.fill("a", 0, torch.ones(64, 64))
+done.publish()
+w.flush(timeout=30)
+half = w.open("half", {"a": ((64, 64), torch.float32)}, {"x": 2})
+half.fill("a", 0, torch.ones(32, 64))
+os.kill(os.getpid(), signal.SIGKILL)  # a server dying mid-dump: no cleanup runs
+"""
+
+
+def test_what_a_killed_writer_never_published_is_cleared_and_its_dumps_stay(
+    tmp_path: Path,
+) -> None:
+    root = tmp_path / "dumps"
+    crashed = subprocess.run([sys.executable, "-c", CRASHING_WRITER, str(root)], timeout=120)
+    assert crashed.returncode == -signal.SIGKILL
+    left = sorted(os.listdir(root))
+    assert ".tmp-half" in left and "done" in left, left
+    assert df.clear_unpublished(root) == len(left) - 1
+    assert os.listdir(root) == ["done"]  # a reader may still hold it: it stays, and reads
+    tensors, meta = read_dump(root / "done")
+    assert meta["x"] == 1 and torch.equal(tensors["a"], torch.ones(64, 64))

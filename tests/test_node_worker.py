@@ -179,6 +179,15 @@ def test_server_killed_mid_shard_is_restarted_and_the_shard_completes(
     config = worker_config(deepseek_path, tmp_path / "store.zarr", tmp_path, inflight=2)
     worker, run = start_worker(config, queue, written=3)
     os.killpg(ray.get(worker.server_pid.remote()), signal.SIGKILL)
+    # The new server dumps into a folder of its own (its writer makes it once the dead one's
+    # unpublished files are gone).
+    (dumps,) = tmp_path.glob("hsx-dumps-*")
+    deadline = time.monotonic() + 300
+    while not (dumps / "server-1").is_dir():
+        assert time.monotonic() < deadline, "no restart"
+        time.sleep(0.1)
+    dead = list(dumps.glob("server-0/*"))
+    assert not [p.name for p in dead if p.name.startswith((".tmp-", ".pool-", ".ring"))]
 
     (summary,) = ray.get(run, timeout=600)
     assert summary["server_restarts"] == 1
@@ -219,6 +228,8 @@ def test_worker_whose_lease_is_revoked_stops_writing_and_does_not_commit(
         assert ray.get(queue.heartbeat.remote(other.lease_id))
         time.sleep(0.2)
 
+    # Every dump captured or read for the lost shard was released (none would be, before).
+    assert ray.get(worker.status.remote())["dumps_held"] == 0
     store = Store.open(tmp_path / "store.zarr")
     assert not store.committed()[0] and store.summary(0) is None
     # Nothing of the samples after the revocation reached the store.
