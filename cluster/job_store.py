@@ -129,6 +129,17 @@ def open_or_create(config: JobConfig, say: Any = print) -> tuple[Store, bool]:
     return store, False
 
 
+def changed_sources(paths: list[str], planned: list[str] | None, now: list[str]) -> list[str]:
+    """Each input file whose bytes differ from those the store was planned from, by name."""
+    if planned is None or len(planned) != len(now):
+        return [f"data.paths: the store was planned from other files ({len(planned or [])})"]
+    return [
+        f"{path}: changed since the store was planned (sha256 {old[:12]}... now {new[:12]}...)"
+        for path, old, new in zip(paths, planned, now, strict=True)
+        if old != new
+    ]
+
+
 def check_resume(store: Store, config: JobConfig) -> None:
     template = chat_template_text(config.data, config.model.path, config.model.trust_remote_code)
     wanted = manifest_for(config, template)
@@ -139,11 +150,13 @@ def check_resume(store: Store, config: JobConfig) -> None:
         if key not in RELOCATABLE and getattr(stored, key) != getattr(wanted, key)
     ]
     spec = job_spec(config, source_hashes(config.data))
-    problems += [
-        f"data.{key}: store {store.job.get(key)!r} != config {value!r}"
-        for key, value in spec.items()
-        if store.job.get(key) != value
-    ]
+    for key, value in spec.items():
+        if store.job.get(key) == value:
+            continue
+        if key == "sources_sha256":
+            problems += changed_sources(config.data.paths, store.job.get(key), value)
+        else:
+            problems.append(f"data.{key}: store {store.job.get(key)!r} != config {value!r}")
     if problems:
         raise ResumeConflict(
             f"{config.store.url} was made by a different job; refusing to resume it "

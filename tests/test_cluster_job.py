@@ -26,7 +26,7 @@ from transformers import AutoTokenizer
 from cluster.__main__ import main as cli_main
 from cluster.config import JobConfig, parse_config
 from cluster.driver import Driver, run_job
-from cluster.job_store import open_or_create
+from cluster.job_store import ResumeConflict, open_or_create
 from cluster.verify import verify
 from store.export import FORMATS, export
 from store.format import Store
@@ -356,3 +356,16 @@ def test_a_job_on_s3_resumes_after_the_driver_is_killed_and_reads_verifies_and_e
         result = export(url, tmp_path / fmt, fmt, storage_options=s3.options, say=log.append)
         assert result["files"] == len(reader) == len(rows)
     assert s3.secret_access_key not in "\n".join(log) + report.format()
+
+
+def test_a_prompt_file_changed_since_the_store_was_planned_is_refused_naming_it(
+    deepseek_path: Path, tmp_path: Path
+) -> None:
+    prompts = tmp_path / "prompts.jsonl"
+    write_prompts(prompts, 5)
+    config = parse_config(job_config(deepseek_path, prompts, tmp_path / "s.zarr", tmp_path))
+    open_or_create(config, say=lambda _: None)
+    prompts.write_text(prompts.read_text().replace("#1", "#one"))  # one sample edited
+
+    with pytest.raises(ResumeConflict, match=f"{prompts}: changed since the store was planned"):
+        open_or_create(config, say=lambda _: None)
