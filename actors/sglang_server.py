@@ -132,8 +132,8 @@ class SGLangServer:
                 umask=0o077,
             )
             assert self.process.stdout is not None
-            secrets_ = (self._api_key, self._admin_api_key)
-            self._log = RedactedLog(self.process.stdout, self.log_path, secrets_)
+            keys = (self._api_key, self._admin_api_key)
+            self._log = RedactedLog(self.process.stdout, self.log_path, keys)
             self.wait_healthy(timeout)
         except BaseException:
             self.stop()
