@@ -101,7 +101,12 @@ def job_config(model: Path, data: Path, store: Path, tmp_path: Path) -> dict[str
         "data": {"paths": [str(data)], "max_length": 256},
         "store": {"url": str(store), "samples_per_shard": 3, "chunk_tokens": 64},
         "server": {"max_total_tokens": 8192, "start_timeout_s": 300, "restart_backoff_s": 0.5},
-        "worker": {"inflight": 4, "heartbeat_s": 0.5, "dump_root": str(tmp_path)},
+        "worker": {
+            "inflight": 4,
+            "heartbeat_s": 0.5,
+            "dump_root": str(tmp_path),
+            "log_root": str(tmp_path),  # a killed worker keeps its server log: here
+        },
         "queue": {"lease_s": 30, "straggler_min_s": 600},
         "driver": {"progress_interval_s": 1},
     }

@@ -337,7 +337,12 @@ def run_real_job(model: Path, tmp_path: Path) -> Path:
         "data": {"paths": [str(data)], "max_length": 256},
         "store": {"url": str(tmp_path / "s.zarr"), "samples_per_shard": 4, "chunk_tokens": 64},
         "server": {"max_total_tokens": 8192, "start_timeout_s": 300},
-        "worker": {"inflight": 4, "heartbeat_s": 0.5, "dump_root": str(tmp_path)},
+        "worker": {
+            "inflight": 4,
+            "heartbeat_s": 0.5,
+            "dump_root": str(tmp_path),
+            "log_root": str(tmp_path),  # a killed worker keeps its server log: here
+        },
         "queue": {"lease_s": 30, "straggler_min_s": 600},
         "driver": {"progress_interval_s": 1},
     }
