@@ -11,7 +11,6 @@ from __future__ import annotations
 import time
 import uuid
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 
@@ -36,24 +35,14 @@ class Calibration:
     seconds: float
 
 
-def clear_stale_dumps(dump_dir: Path) -> int:
-    """Remove published dumps left by an earlier server start; returns how many."""
-    stale = list(dump_dir.glob("req_*")) if dump_dir.exists() else []
-    for path in stale:
-        release_dump(path)
-    return len(stale)
-
-
 def calibrate(
     server: SGLangServer,
-    dump_dir: Path,
     manifest: Manifest,
     expected_ids: list[int],
     rid_prefix: str,
 ) -> Calibration:
     """`expected_ids`: PROBE_TEXT as the plan's tokenizer encodes it."""
     started = time.monotonic()
-    clear_stale_dumps(dump_dir)
     rid = f"{rid_prefix}calibrate-{uuid.uuid4().hex[:12]}"
     response = generate_and_capture(server, rid, text=PROBE_TEXT)
     tensors, meta = read_dump(wait_for_dump(response.dump_path))

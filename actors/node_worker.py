@@ -191,7 +191,6 @@ class NodeWorker:
         self.server = SGLangServer(spec, self.server_log).start(self.config.server_start_timeout)
         self.calibration = calibrate(
             self.server,
-            self.server_dumps,
             self.store.manifest,
             self.probe_ids,
             spec.capture.rid_prefix,

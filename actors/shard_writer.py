@@ -127,9 +127,9 @@ def _gather(pieces: list[_Piece], which: str, rows: int, row_bytes: int) -> list
 
 def _write_file(path: Path, parts: list[memoryview], mode: int = 0o666) -> None:
     """Write `parts` as the file at `path`, each straight from its memory (the kernel copies it
-        into the page cache: no assembled copy), atomically as zarr's LocalStore does: a temp file
-        renamed over the key. One write() per part: writev() of the same parts measured ~3x slower
-        here (median 1.3 vs 0.45 s a round of benchmarks/writer_vs_tofile.py). `mode`: before the
+    into the page cache: no assembled copy), atomically as zarr's LocalStore does: a temp file
+    renamed over the key. One write() per part: writev() of the same parts measured ~3x slower
+    here (median 1.3 vs 0.45 s a round of benchmarks/writer_vs_tofile.py). `mode`: before the
     umask (store files as zarr makes them; spill files private)."""
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(f".{uuid.uuid4().hex}.partial")

@@ -126,7 +126,7 @@ class _Recompute:
             self.say(f"recompute: starting SGLang on {self.model_path} ({' '.join(args)})")
             server.start(timeout=900)
             probe = self.tokenizer()(PROBE_TEXT)["input_ids"]
-            calibrate(server, work / "dumps", m, probe, "hsx-")  # same fields as a worker
+            calibrate(server, m, probe, "hsx-")  # same fields as a worker
             yield server, work / "dumps"
         finally:
             server.stop()

@@ -7,6 +7,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -43,14 +44,21 @@ def test_server_dies_with_the_process_that_started_it(llama_path: Path, tmp_path
     try:
         pgid = int(starter.stdout.readline())  # the server is healthy by then
         assert group_alive(pgid)
-        starter.send_signal(signal.SIGKILL)
-        starter.wait(timeout=10)
-        deadline = time.monotonic() + 60
-        while group_alive(pgid):
-            assert time.monotonic() < deadline, "the server outlived its starter"
-            time.sleep(0.5)
+        kill_and_wait(starter, lambda: group_alive(pgid), 60, "the server")
     finally:
         starter.kill()
+
+
+def kill_and_wait(
+    starter: subprocess.Popen, alive: Callable[[], bool], timeout: float, what: str
+) -> None:
+    """SIGKILL the starter (no cleanup of its own runs) and wait until `alive()` is false."""
+    starter.send_signal(signal.SIGKILL)
+    starter.wait(timeout=10)
+    deadline = time.monotonic() + timeout
+    while alive():
+        assert time.monotonic() < deadline, f"{what} outlived its starter"
+        time.sleep(0.05)
 
 
 LAUNCHER = """
@@ -80,12 +88,7 @@ def test_die_with_parent_takes_the_command_down_with_its_starter() -> None:
         while b"sleep" not in Path(f"/proc/{pid}/cmdline").read_bytes():  # exec'd by now
             assert time.monotonic() < deadline
             time.sleep(0.05)
-        starter.send_signal(signal.SIGKILL)
-        starter.wait(timeout=10)
-        deadline = time.monotonic() + 10
-        while running(pid):
-            assert time.monotonic() < deadline, "the command outlived its starter"
-            time.sleep(0.05)
+        kill_and_wait(starter, lambda: running(pid), 10, "the command")
     finally:
         starter.kill()
 
