@@ -104,6 +104,12 @@ class ServerError(RuntimeError):
     pass
 
 
+def new_key() -> str:
+    """A random API key. Hex, because SGLang turns its config file into argv and argparse reads a
+    value that starts with '-' (1 in 64 url-safe tokens) as an option."""
+    return secrets.token_hex(32)
+
+
 class SGLangServer:
     def __init__(self, spec: ServerSpec, log_path: Path) -> None:
         self.spec = spec
@@ -111,7 +117,7 @@ class SGLangServer:
         self.port = spec.port or free_port(spec.host)
         self.url = f"http://{spec.host}:{self.port}"
         self.process: subprocess.Popen[bytes] | None = None
-        self._api_key, self._admin_api_key = secrets.token_urlsafe(32), secrets.token_urlsafe(32)
+        self._api_key, self._admin_api_key = new_key(), new_key()
         self.session = requests.Session()  # for every request to this server: it sends the key
         self.session.headers["Authorization"] = f"Bearer {self._api_key}"
         self._log: RedactedLog | None = None

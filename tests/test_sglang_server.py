@@ -1,7 +1,9 @@
-"""The server launcher: a server must not outlive the process that started it."""
+"""The server launcher: SGLang gets its keys intact, and a server must not outlive the process
+that started it."""
 
 from __future__ import annotations
 
+import argparse
 import os
 import signal
 import subprocess
@@ -11,8 +13,11 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
+from sglang.srt.server_args import ServerArgs
+from sglang.srt.utils.server_args_config_parser import ConfigArgumentMerger
 
-pytestmark = pytest.mark.slow
+from actors.sglang_server import ServerSpec, SGLangServer, build_command
+from patches.settings import CaptureSettings
 
 STARTER = """
 import sys, time
@@ -34,6 +39,22 @@ def group_alive(pgid: int) -> bool:
     return True
 
 
+def test_sglang_reads_back_every_key_the_launcher_gives_it(tmp_path: Path) -> None:
+    """Through SGLang's own config merging and parser: a key argparse took for an option (a
+    url-safe token starting with '-') failed one server start in ~30."""
+    parser = argparse.ArgumentParser()
+    ServerArgs.add_cli_args(parser)
+    spec = ServerSpec(model_path=tmp_path, capture=CaptureSettings.from_env({}), device="cpu")
+    for _ in range(300):
+        server = SGLangServer(spec, tmp_path / "server.log")
+        keys_file = server._write_keys()
+        argv = build_command(spec, server.port, keys_file)[3:]  # after `python -m module`
+        parsed = parser.parse_args(ConfigArgumentMerger(parser).merge_config_with_args(argv))
+        assert (parsed.api_key, parsed.admin_api_key) == (server._api_key, server._admin_api_key)
+        keys_file.unlink()
+
+
+@pytest.mark.slow
 def test_server_dies_with_the_process_that_started_it(llama_path: Path, tmp_path: Path) -> None:
     """A worker killed outright (SIGKILL: no cleanup runs) must not orphan its server."""
     starter = subprocess.Popen(
