@@ -1,10 +1,11 @@
 """The training reader vs a plain sequential read of the same bytes, from the same disk.
 
 (a) baseline: every chunk file of `aux_hidden_states` and `final_hidden_states` read in order
-    with one plain `readinto` each, into four buffers in turn (a reader must hand out memory
-    that outlives its next read, so one reused buffer that stays in the CPU cache would not be
-    the same job; fresh arrays per file would be, but on this VM freshly mapped memory made
-    the baseline 2-3x slower in some runs than in others: benchmarks/rounds.py);
+    with one plain `readinto` each, into four page-aligned buffers in turn (a reader must hand
+    out memory that outlives its next read, so one reused buffer that stays in the CPU cache
+    would not be the same job; page-aligned as the reader's are, because into numpy's usual
+    start 16 bytes past a page the kernel's copy runs at a quarter of the speed:
+    store/buffers.py);
 (b) HiddenStatesIterable: every visible sample as bf16 tensors, in store order, one process;
     built once (as a training loop does, and as the raw read is given its file list), then one
     epoch per round.
@@ -15,8 +16,8 @@ real ShardWriter: synthetic bf16 rows shaped like Kimi-K2.5's captures (3 aux la
 7168, 256-2048 tokens per sample, ~2.6 GB).
 
 What limits both (measured here, 2 shared cores): the kernel's copy out of the page cache.
-The reader `readinto`s each chunk's rows straight into recycled block buffers, four reads in
-flight (store/file_rows.py), so its copies run on both cores where the baseline's run on one;
+The reader `readinto`s each chunk's rows straight into recycled block buffers on a pool of
+threads (store/file_rows.py), so its copies run on both cores where the baseline's run on one;
 the rest of its time is opening chunk files and making the samples.
 
     make bench BENCH=reader_vs_raw_read
@@ -36,6 +37,7 @@ import numpy as np
 from actors.shard_writer import ShardWriter
 from benchmarks.rounds import alternate
 from benchmarks.writer_vs_tofile import make_samples
+from store.buffers import page_aligned_empty
 from store.format import DEFAULT_CODEC, Manifest, create_store, make_manifest
 from store.reader import HiddenStatesIterable
 
@@ -138,7 +140,7 @@ def main() -> None:
         )
         reader = HiddenStatesIterable(url)
         largest = max(p.stat().st_size for p in files)
-        buffers = [np.ones(largest, np.uint8) for _ in range(4)]
+        buffers = [page_aligned_empty((largest,), np.dtype(np.uint8)) for _ in range(4)]
         raw_read_seconds(files, buffers)  # warm the page cache (and both sides' memory)
         reader_seconds(reader)
         rounds = alternate(
@@ -146,7 +148,7 @@ def main() -> None:
             measured=lambda: payload / reader_seconds(reader) / 1e9,
             rounds=args.rounds,
         )
-    rounds.show("GB/s", baseline="np.fromfile", measured="HiddenStatesIterable")
+    rounds.show("GB/s", baseline="raw readinto", measured="HiddenStatesIterable")
     print(rounds.result_line("reader_vs_raw_read", TARGET))
 
 
