@@ -30,6 +30,8 @@ class LeaseLost(RuntimeError):
 
 
 class WriteFence(Protocol):
+    lost_cause: str  # why the lease was lost, once current() is False
+
     def current(self) -> bool:
         """Cheap: False once the lease is known to be lost (no round trip)."""
 
@@ -42,6 +44,8 @@ class WriteFence(Protocol):
 
 class Unfenced:
     """For a store nobody else writes to (tests, single-process tools)."""
+
+    lost_cause = ""
 
     def current(self) -> bool:
         return True
@@ -67,6 +71,7 @@ class LeaseKeeper:
     def __init__(self, call: Callable[..., Any], lease: Lease, interval: float) -> None:
         self._call, self.lease, self._interval = call, lease, interval
         self._lost = threading.Event()
+        self.lost_cause = ""  # why, once lost
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._beat, daemon=True, name="lease-heartbeat")
 
@@ -83,17 +88,22 @@ class LeaseKeeper:
 
     @contextmanager
     def writing(self):
-        if self._lost.is_set() or not self._call("begin_write", self.lease.lease_id):
-            self._lost.set()
-            raise LeaseLost(f"shard {self.lease.shard}: lease lost, nothing more is written")
+        if not self._lost.is_set() and not self._call("begin_write", self.lease.lease_id):
+            self._lose("the queue refused the write (expired, revoked or claimed)")
+        if self._lost.is_set():
+            raise LeaseLost(
+                f"shard {self.lease.shard}: lease lost ({self.lost_cause}), nothing more is written"
+            )
         try:
             yield
         finally:
             self._call("end_write", self.lease.lease_id)
 
     def claim_commit(self, timeout: float) -> None:
-        if self._lost.is_set() or not self._call("claim", self.lease.lease_id):
-            self._lost.set()
+        if self._lost.is_set():
+            raise LeaseLost(f"shard {self.lease.shard}: lease lost ({self.lost_cause})")
+        if not self._call("claim", self.lease.lease_id):
+            self._lose("another worker claimed the shard first")
             raise LeaseLost(f"shard {self.lease.shard}: another worker claimed it first")
         deadline = time.monotonic() + timeout
         while not self._call("fenced", self.lease.lease_id):
@@ -106,6 +116,15 @@ class LeaseKeeper:
 
     def _beat(self) -> None:
         while not self._stop.wait(self._interval):
-            if not self._call("heartbeat", self.lease.lease_id):
-                self._lost.set()
+            try:
+                renewed = self._call("heartbeat", self.lease.lease_id)
+            except Exception as exc:  # the queue unreachable: the lease cannot be known held
+                self._lose(f"heartbeat failed: {type(exc).__name__}: {exc}")
                 return
+            if not renewed:
+                self._lose("the queue refused the heartbeat (expired, revoked or claimed)")
+                return
+
+    def _lose(self, cause: str) -> None:
+        self.lost_cause = cause
+        self._lost.set()

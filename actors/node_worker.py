@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import logging
 import os
 import shutil
 import socket
@@ -48,6 +49,9 @@ from actors.worker_metrics import WorkerMetrics
 from patches.dump_files import TMP_PREFIX, clear_unpublished, read_dump, release_dump
 from patches.settings import CaptureSettings
 from store.format import Store
+from store.model_identity import model_mismatches
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -74,6 +78,10 @@ class WorkerConfig:
     writer_threads: int = 2
     idle_poll_seconds: float = 1.0  # nothing to lease: ask again this often
     fence_timeout: float = 600.0  # a claimant waits this long for a former holder's write
+
+
+class ModelMismatch(RuntimeError):
+    """The node's model is not the store's (its config, tokenizer or weights differ)."""
 
 
 @dataclass(frozen=True)
@@ -112,6 +120,7 @@ class NodeWorker:
         """Process shards until the queue has none left; per-shard summaries."""
         summaries = []
         try:
+            self._check_model()
             self._start_server()
             while True:
                 lease = ray.get(self.queue.acquire.remote(self.id))
@@ -159,6 +168,15 @@ class NodeWorker:
         shutil.rmtree(self.dump_dir, ignore_errors=True)
         if not keep_log:
             shutil.rmtree(self.log_dir, ignore_errors=True)
+
+    def _check_model(self) -> None:
+        """Refuse to extend the store with another checkpoint than the one that planned it (a
+        node whose copy at model.path differs: a fine-tune, another revision)."""
+        if problems := model_mismatches(self.config.model_path, self.store.manifest):
+            raise ModelMismatch(
+                f"worker {self.id}: the model on this node is not the one the store was planned "
+                "with:\n  " + "\n  ".join(problems)
+            )
 
     # -- server lifecycle ---------------------------------------------------------------------
 
@@ -245,8 +263,8 @@ class NodeWorker:
                     spill_dir=self.dump_dir / f"spill-{lease.lease_id}" if lease.deferred else None,
                     fence_timeout=self.config.fence_timeout,
                 )
-            except LeaseLost:
-                return {**self._summary(lease, started, None), "lease_lost": True}
+            except LeaseLost as exc:
+                return {**self._summary(lease, started, None), **self._lease_lost(lease, exc)}
             try:
                 todo = sorted(planned)
                 while todo:
@@ -255,17 +273,22 @@ class NodeWorker:
                         self._restart_server()
                         self.phase = "working"
                 summary = writer.commit(self._summary(lease, started, writer))
-            except LeaseLost:
+            except LeaseLost as exc:
                 writer.abort()
-                return {**self._summary(lease, started, writer), "lease_lost": True}
+                return {**self._summary(lease, started, writer), **self._lease_lost(lease, exc)}
             except BaseException as exc:
                 writer.abort()
                 ray.get(self.queue.release.remote(lease.lease_id, f"{type(exc).__name__}: {exc}"))
                 raise
         if not ray.get(self.queue.complete.remote(lease.lease_id, summary)):
-            return {**summary, "lease_lost": True}
+            return {**summary, **self._lease_lost(lease, "the queue refused the completion")}
         self.metrics.shards.inc()
         return summary
+
+    def _lease_lost(self, lease: Lease, cause: object) -> dict[str, Any]:
+        """Summary fields of a shard left because its lease was lost, and why (also logged)."""
+        logger.warning("worker %s: shard %d left, lease lost: %s", self.id, lease.shard, cause)
+        return {"lease_lost": True, "lease_lost_cause": str(cause)}
 
     def _capture_samples(
         self,

@@ -355,7 +355,10 @@ class ShardWriter:
 
     def _raise_if_stopped(self) -> None:
         if self._lost:
-            raise LeaseLost(f"shard {self.shard.index}: lease lost, nothing more is written")
+            raise LeaseLost(
+                f"shard {self.shard.index}: lease lost ({self.fence.lost_cause}), nothing more "
+                "is written"
+            )
         if self._stopped:
             raise RuntimeError(f"shard {self.shard.index}: writer already committed or aborted")
         for f in self._futures:

@@ -50,7 +50,7 @@ def stand_in_manifest(
     """A manifest made as the driver makes one, from stand-in model files under `root`."""
     model = root / "model"
     model.mkdir(exist_ok=True)
-    for name in ("config.json", "tokenizer.json"):
+    for name in ("config.json", "tokenizer.json", "model.safetensors"):
         (model / name).write_text("{}")
     capture = {
         "layer_ids": list(range(num_aux)),

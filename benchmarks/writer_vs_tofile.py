@@ -138,6 +138,7 @@ def bench_manifest(samples: Samples, codec: dict[str, Any], chunk: int, per_shar
         model="bench",
         model_config_hash="",
         tokenizer_hash="",
+        weights_fingerprint="",
         chat_template_hash=None,
         layer_ids=list(range(aux0.shape[1])),
         layer_convention="bench",

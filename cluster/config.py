@@ -55,6 +55,7 @@ class DataConfig(_Section):
     id_field: str = "id"  # optional per row; else "<file>:<row>"
     text_field: str = "text"  # a row holds either text ...
     messages_field: str = "messages"  # ... or chat messages [{"role", "content"}, ...]
+    roles: list[str] = ["system", "user", "assistant", "tool"]  # a message with another: rejected
     # "model": the tokenizer's own chat template; otherwise the path of a Jinja template file.
     chat_template: str = "model"
     # assistant: loss on assistant tokens of chat rows (text rows: every token); all: every token.

@@ -29,6 +29,7 @@ from cluster.config import JobConfig
 from cluster.job_store import open_or_create
 from cluster.report import ProgressMeter, build_report, format_report
 from cluster.shard_queue import QueueStatus, ShardQueueActor
+from store.location import describe_failure
 
 
 def worker_config(config: JobConfig) -> WorkerConfig:
@@ -125,8 +126,16 @@ class Driver:
                 "workers_lost": self.workers_lost,
             },
         )
-        store.group.attrs["report"] = report  # the workers are done: one writer again
         self.say(format_report(report))
+        try:
+            store.group.attrs["report"] = report  # the workers are done: one writer again
+        except Exception as exc:  # a store that no longer takes writes: the log has the report
+            store_options = self.config.store.storage_options
+            self.say(
+                "could not keep the report in the store: "
+                + describe_failure(self.config.store.url, exc, store_options)
+            )
+            return 1
         return 0 if report["ok"] else 1
 
     # -- watching ---------------------------------------------------------------------------
@@ -160,7 +169,7 @@ class Driver:
             done, _ = ray.wait(list(self.workers), num_returns=1, timeout=interval)
             for ref in done:
                 self._reap(ref, queue)
-            self.say(self._progress_line(meter, status))
+            self.say(self._progress_line(meter, queue))
 
     def _stop_lingering_workers(self) -> None:
         for ref, running in list(self.workers.items()):
@@ -220,12 +229,16 @@ class Driver:
             self.workers[handle.run.remote()] = _Running(node["NodeID"], worker_id, handle)
             self.say(f"started {worker_id}")
 
-    def _progress_line(self, meter: ProgressMeter, status: QueueStatus) -> str:
+    def _progress_line(self, meter: ProgressMeter, queue: Any) -> str:
+        """Workers first, then the queue: a shard committed between the two reads is then in
+        the queue's summaries, where its worker's state might no longer show it; the other way
+        round it was counted in neither and the count went backwards."""
         refs = [r.handle.status.remote() for r in self.workers.values()]
         try:
             states = ray.get(refs, timeout=5)
         except (GetTimeoutError, RayError):
             states = []  # a worker busy dying: the next line catches up
+        status: QueueStatus = ray.get(queue.status.remote())
         # Samples of shards still in progress (a finished shard is in the summaries already).
         in_flight = sum(s["written"] for s in states if s["shard"] not in status.summaries)
         phases = Counter(s["phase"] for s in states)

@@ -2,8 +2,9 @@
 
 A resume re-uses the stored plan as it is (sample order, layout, rejects) and never re-reads
 the data; it only proves that the job submitted now is the job that made the store: same
-model files, capture, chunking and plan inputs. Anything that differs is named and refused,
-because mixing two jobs' rows in one store would be silent corruption.
+model (config, tokenizer and weights fingerprint), capture, chunking and plan inputs. Anything
+that differs is named and refused, because mixing two jobs' rows in one store would be silent
+corruption.
 """
 
 from __future__ import annotations
@@ -16,7 +17,14 @@ import zarr.errors
 
 from cluster.config import JobConfig
 from cluster.plan import Plan, build_plan, chat_template_text, source_hashes
-from store.format import Manifest, Store, StoreIncomplete, create_store, make_manifest
+from store.format import (
+    SCHEMA_VERSION,
+    Manifest,
+    Store,
+    StoreIncomplete,
+    create_store,
+    make_manifest,
+)
 from store.layers import expected_capture
 
 # Manifest fields a resume may differ in: where the model lives is not what it is (its hashes).
@@ -141,9 +149,16 @@ def changed_sources(paths: list[str], planned: list[str] | None, now: list[str])
 
 
 def check_resume(store: Store, config: JobConfig) -> None:
+    stored = store.manifest
+    if stored.schema_version < SCHEMA_VERSION:
+        raise ResumeConflict(
+            f"{config.store.url} has store schema {stored.schema_version}, made by an earlier "
+            "release that recorded no weights fingerprint: which checkpoint made it cannot be "
+            "checked, so this release does not extend it (finish it with that release, or use a "
+            "new store.url; reading, verifying and exporting it work as before)"
+        )
     template = chat_template_text(config.data, config.model.path, config.model.trust_remote_code)
     wanted = manifest_for(config, template)
-    stored = store.manifest
     problems = [
         f"{key}: store {getattr(stored, key)!r} != config {getattr(wanted, key)!r}"
         for key in wanted.to_json()

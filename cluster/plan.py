@@ -73,11 +73,13 @@ Field names below are the configured ones (`id`, `text`, `messages` by default);
 | `row has neither text nor messages` | |
 | `text must be a string, got <type>` | |
 | `empty text` | |
+| `text is only whitespace` | |
 | `messages must be a list, got <type>` | |
 | `empty messages` | |
 | `messages[i] must be an object, got <type>` | |
 | `messages[i].role must be a string, got <type>` | (checked before content) |
 | `messages[i].content must be a string, got <type>` | e.g. a list of content parts |
+| `messages[i].role <role> is not one of data.roles [...]` | a role the job does not allow |
 | `the model has no chat template; set data.chat_template` | a chat row, no template |
 | `chat template error: <error>` | the template raised (e.g. roles must alternate) |
 | `no assistant turn to train on` | `loss_mask: assistant`, no role `assistant` |
@@ -382,8 +384,10 @@ def _parse_content(sample_id: str, row: dict[str, Any], data: DataConfig) -> _Ro
     if text is not None:
         if not isinstance(text, str):
             return _Row(sample_id, f"{tf} must be a string, got {_type_name(text)}")
-        return _Row(sample_id, "empty text") if not text else _Row(sample_id, text=text)
-    reason = _check_messages(messages, mf)
+        if not text or text.isspace():
+            return _Row(sample_id, "text is only whitespace" if text else "empty text")
+        return _Row(sample_id, text=text)
+    reason = _check_messages(messages, mf, data.roles)
     if reason:
         return _Row(sample_id, reason)
     return _Row(
@@ -391,7 +395,7 @@ def _parse_content(sample_id: str, row: dict[str, Any], data: DataConfig) -> _Ro
     )
 
 
-def _check_messages(messages: Any, mf: str) -> str | None:
+def _check_messages(messages: Any, mf: str, roles: list[str]) -> str | None:
     if not isinstance(messages, list):
         return f"{mf} must be a list, got {_type_name(messages)}"
     if not messages:
@@ -402,6 +406,8 @@ def _check_messages(messages: Any, mf: str) -> str | None:
         for key in ("role", "content"):
             if not isinstance(message.get(key), str):
                 return f"{mf}[{i}].{key} must be a string, got {_type_name(message.get(key))}"
+        if message["role"] not in roles:
+            return f"{mf}[{i}].role {message['role']!r} is not one of data.roles {roles}"
     return None
 
 

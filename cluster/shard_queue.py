@@ -5,7 +5,8 @@ A worker `acquire`s a lease, `heartbeat`s while it works, brackets every store w
 `complete`s it once its commit marker is written. A lease that is not renewed in time expires
 and its shard goes back to the queue; so does the shard of a worker the driver reports dead
 (`release_worker`) or that gives it back (`release`). A shard lost to failures `shard_attempts`
-times is given up (`failed`), so one poisonous shard cannot keep the job alive forever.
+times is given up (`failed`), so one poisonous shard cannot keep the job alive forever; not
+while a lease of it is still live (a tail duplicate may yet complete it), but once none is.
 
 Exactly one lease's rows become visible. The store cannot check leases itself, so the queue
 does it for the writers, as a lock manager with fencing: `begin_write` refuses a lease that is
@@ -71,7 +72,7 @@ class ShardQueue:
         self._held: dict[str, _Held] = {}  # lease_id -> live lease
         self._claims: dict[int, str] = {}  # shard -> the lease that won its commit
         self._open: Counter[str] = Counter()  # lease_id -> writes begun, not ended
-        self._lease_shard: dict[str, int] = {}  # every lease ever issued -> its shard
+        self._issued: dict[str, Lease] = {}  # every lease ever issued, by id
         self._completed: dict[int, dict[str, Any]] = {}  # shard -> summary
         self._durations: list[float] = []  # lease to completion, completed shards
         self._failures: dict[int, list[str]] = {}
@@ -89,7 +90,7 @@ class ShardQueue:
         if self._pending:
             shard = self._pending.popleft()
             # Someone else may still be mid-write on it (an expired holder): defer.
-            deferred = any(self._lease_shard[lid] == shard for lid in self._open)
+            deferred = any(self._issued[lid].shard == shard for lid in self._open)
             return self._issue(shard, worker, deferred)
         straggler = self._straggler(worker)
         return None if straggler is None else self._issue(straggler, worker, deferred=True)
@@ -133,8 +134,8 @@ class ShardQueue:
 
     def fenced(self, lease_id: str) -> bool:
         """True once no other lease of this lease's shard has a write in progress."""
-        shard = self._lease_shard.get(lease_id)
-        return not any(self._lease_shard[lid] == shard and lid != lease_id for lid in self._open)
+        shard = self._issued[lease_id].shard if lease_id in self._issued else None
+        return not any(self._issued[lid].shard == shard and lid != lease_id for lid in self._open)
 
     def complete(self, lease_id: str, summary: dict[str, Any]) -> bool:
         """Mark the shard done; only the holder of its claim may, and only once."""
@@ -161,12 +162,14 @@ class ShardQueue:
                 self._requeue(shard)
 
     def release_worker(self, worker: str, error: str = "worker died") -> list[int]:
-        """Queue again every shard a dead worker holds, and forget its open writes (a dead
-        process writes nothing more); returns the shards."""
+        """Queue again every shard a dead worker holds, and forget its open writes, those of
+        leases that expired mid-write included (a dead process writes nothing more); returns
+        the shards."""
+        for lease_id in [lid for lid in self._open if self._issued[lid].worker == worker]:
+            del self._open[lease_id]
         mine = {lid: h for lid, h in self._held.items() if h.lease.worker == worker}
         for lease_id, held in mine.items():
             del self._held[lease_id]
-            self._open.pop(lease_id, None)
             self._requeue(held.lease.shard, f"{worker}: {error}")
         return sorted(h.lease.shard for h in mine.values())
 
@@ -193,7 +196,7 @@ class ShardQueue:
         lease = Lease(uuid.uuid4().hex, shard, worker, deferred)
         now = self._clock()
         self._held[lease.lease_id] = _Held(lease, now, now + self._lease_seconds)
-        self._lease_shard[lease.lease_id] = shard
+        self._issued[lease.lease_id] = lease
         return lease
 
     def _straggler(self, worker: str) -> int | None:
@@ -229,10 +232,11 @@ class ShardQueue:
             self._claims.pop(shard, None)  # the claimant is gone: the next holder may claim
         if error is not None:
             self._failures.setdefault(shard, []).append(error)
-            if len(self._failures[shard]) >= self._attempts:
-                self._failed.add(shard)
-        done = shard in self._completed or shard in self._failed
         held = any(h.lease.shard == shard for h in self._held.values())
+        done = shard in self._completed
+        if not done and not held and len(self._failures.get(shard, ())) >= self._attempts:
+            self._failed.add(shard)  # not while a live lease (a tail duplicate) may complete it
+        done = done or shard in self._failed
         if not done and not held and shard not in self._pending:
             self._pending.appendleft(shard)  # retried first: the job's tail is what we wait on
 

@@ -25,7 +25,8 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from store.format import HIDDEN_ARRAYS, STATUS_WRITTEN, Store, sha256_file
+from store.format import HIDDEN_ARRAYS, STATUS_WRITTEN, Store
+from store.model_identity import model_mismatches
 from store.verify import VerifyReport, describe_recompute, verify_store
 
 if TYPE_CHECKING:
@@ -80,21 +81,10 @@ class _Recompute:
     say: Callable[[str], None]
 
     def model_matches(self) -> bool:
-        m, ok = self.store.manifest, True
-        for file, key in (
-            ("config.json", "model_config_hash"),
-            ("tokenizer.json", "tokenizer_hash"),
-        ):
-            path = self.model_path / file
-            digest = sha256_file(path) if path.exists() else "(missing)"
-            if digest != getattr(m, key):
-                self.report.error(
-                    "recompute",
-                    f"{path}: sha256 {digest[:12]} != the store's {key} {getattr(m, key)[:12]}: "
-                    "not the model that made the store",
-                )
-                ok = False
-        return ok
+        problems = model_mismatches(self.model_path, self.store.manifest)
+        for problem in problems:
+            self.report.error("recompute", f"{problem}: not the model that made the store")
+        return not problems
 
     @contextlib.contextmanager
     def server(self, longest: int) -> Iterator[tuple[Any, Path]]:

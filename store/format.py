@@ -50,8 +50,11 @@ import zarr
 from zarr.codecs import ZstdCodec
 
 from store.location import StoreAccessError, describe_failure, first_key, open_location
+from store.model_identity import model_identity
 
-SCHEMA_VERSION = 2  # 2: the `created` marker and `shard_plan_sha256`
+SCHEMA_VERSION = 3  # 2: the `created` marker and `shard_plan_sha256`; 3: `weights_fingerprint`
+# Read, never written: a schema-2 store reads as one whose weights fingerprint is unknown (None).
+READABLE_SCHEMA_VERSIONS = (2, 3)
 BF16_ATTR = {"stored_as": "uint16", "dtype": "bfloat16"}
 # Chosen with benchmarks/writer_vs_tofile.py --sweep (2 cores): zstd level 1 compressed bf16
 # activations only 1.21x and wrote at 0.4-0.6 GB/s against 1.2-1.8 GB/s uncompressed; per-chunk
@@ -104,6 +107,7 @@ class Manifest:
     model: str
     model_config_hash: str  # sha256 of config.json
     tokenizer_hash: str  # sha256 of tokenizer.json
+    weights_fingerprint: str | None  # store/model_identity.py; None: a schema-2 store
     chat_template_hash: str | None
     layer_ids: list[int]  # resolved HF hidden_states indices, ascending
     layer_convention: str
@@ -117,11 +121,9 @@ class Manifest:
     samples_per_shard: int
 
     def __post_init__(self) -> None:
-        if self.schema_version != SCHEMA_VERSION:
-            raise StoreFormatError(
-                f"store schema version {self.schema_version!r} is not supported: this code reads "
-                f"version {SCHEMA_VERSION} only (use the matching hidden-state-extractor release)"
-            )
+        _check_version(self.schema_version)
+        if self.schema_version >= 3 and not isinstance(self.weights_fingerprint, str):
+            raise ValueError(f"schema {self.schema_version} needs a weights_fingerprint")
         if self.dtype not in ("bfloat16", "float32"):
             raise ValueError(f"dtype must be bfloat16 or float32, got {self.dtype!r}")
         if self.codec.get("name") not in ("zstd", "none"):
@@ -132,28 +134,43 @@ class Manifest:
             raise ValueError("chunk_tokens, samples_per_shard, hidden_size, num_aux must be >= 1")
 
     def to_json(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
+        fields = manifest_fields(self.schema_version)
+        return {k: v for k, v in dataclasses.asdict(self).items() if k in fields}
 
     @classmethod
     def from_json(cls, data: Mapping[str, Any]) -> Manifest:
         # The version first, so an old reader facing a newer store says so, not "unknown field".
         version = data.get("schema_version") if isinstance(data, Mapping) else None
-        if version != SCHEMA_VERSION:
-            raise StoreFormatError(
-                f"store schema version {version!r} is not supported: this code reads "
-                f"version {SCHEMA_VERSION} only (use the matching hidden-state-extractor release)"
-            )
-        names = {f.name for f in dataclasses.fields(cls)}
+        _check_version(version)
+        names = manifest_fields(version)
         if set(data) != names:
             raise StoreFormatError(
-                f"manifest fields differ from schema {SCHEMA_VERSION}: "
+                f"manifest fields differ from schema {version}: "
                 f"unknown {sorted(set(data) - names)}, missing {sorted(names - set(data))}"
             )
-        return cls(**{**data, "layer_ids": list(data["layer_ids"]), "codec": dict(data["codec"])})
+        return cls(
+            **{
+                "weights_fingerprint": None,  # schema 2 has none
+                **data,
+                "layer_ids": list(data["layer_ids"]),
+                "codec": dict(data["codec"]),
+            }
+        )
 
 
-def sha256_file(path: str | Path) -> str:
-    return hashlib.sha256(Path(path).read_bytes()).hexdigest()
+def manifest_fields(version: int) -> set[str]:
+    """The fields a manifest of schema `version` holds."""
+    names = {f.name for f in dataclasses.fields(Manifest)}
+    return names - {"weights_fingerprint"} if version == 2 else names
+
+
+def _check_version(version: Any) -> None:
+    if version not in READABLE_SCHEMA_VERSIONS:
+        raise StoreFormatError(
+            f"store schema version {version!r} is not supported: this code reads versions "
+            f"{', '.join(map(str, READABLE_SCHEMA_VERSIONS))} (use the matching "
+            "hidden-state-extractor release)"
+        )
 
 
 def make_manifest(
@@ -176,8 +193,7 @@ def make_manifest(
     return Manifest(
         schema_version=SCHEMA_VERSION,
         model=model,
-        model_config_hash=sha256_file(model_dir / "config.json"),
-        tokenizer_hash=sha256_file(model_dir / "tokenizer.json"),
+        **model_identity(model_dir),
         chat_template_hash=(
             None if chat_template is None else hashlib.sha256(chat_template.encode()).hexdigest()
         ),

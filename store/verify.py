@@ -4,8 +4,9 @@ Reads the store (never writes it) and reports every problem it finds, each namin
 sample or array concerned; it stops early only when the store cannot be opened at all. Checks,
 each reported OK / FAIL / SKIP by name:
 
-- manifest:  the group attribute `manifest` is present, a JSON object, of schema version
-             SCHEMA_VERSION, with every field of the right type and value (Store.open's rules);
+- manifest:  the group attribute `manifest` is present, a JSON object, of a schema version
+             this code reads (READABLE_SCHEMA_VERSIONS), with every field of the right type and
+             value (Store.open's rules);
              `sample_start` equals the deterministic layout and every sample has >= 1 token.
              Failing it makes the store unreadable (exit 2): the other checks are skipped.
 - arrays:    every array exists with the shape, dtype, chunks, codec and attributes the manifest
@@ -48,7 +49,7 @@ from zarr.core.sync import sync
 from store.format import (
     BF16_ATTR,
     HIDDEN_ARRAYS,
-    SCHEMA_VERSION,
+    READABLE_SCHEMA_VERSIONS,
     STATUS_FAILED,
     STATUS_PLANNED,
     STATUS_WRITTEN,
@@ -56,6 +57,7 @@ from store.format import (
     Shard,
     Store,
     layout,
+    manifest_fields,
     open_group,
     plan_digest,
 )
@@ -68,6 +70,7 @@ MANIFEST_TYPES: dict[str, tuple[type, ...]] = {
     "model": (str,),
     "model_config_hash": (str,),
     "tokenizer_hash": (str,),
+    "weights_fingerprint": (str,),  # not in schema 2
     "chat_template_hash": (str, type(None)),
     "layer_ids": (list,),
     "layer_convention": (str,),
@@ -183,16 +186,17 @@ def manifest_problems(raw: Any, where: str) -> list[str]:
     if not isinstance(raw, dict):
         return [f"{where} is not a JSON object: got {type(raw).__name__} {str(raw)[:80]!r}"]
     version = raw.get("schema_version")
-    if version != SCHEMA_VERSION:
+    if version not in READABLE_SCHEMA_VERSIONS:
         return [
-            f"{where}: schema version {version!r} is not supported: this code reads version "
-            f"{SCHEMA_VERSION} only"
+            f"{where}: schema version {version!r} is not supported: this code reads versions "
+            f"{', '.join(map(str, READABLE_SCHEMA_VERSIONS))}"
         ]
     problems = []
-    missing, unknown = set(MANIFEST_TYPES) - set(raw), set(raw) - set(MANIFEST_TYPES)
+    fields = manifest_fields(version)
+    missing, unknown = fields - set(raw), set(raw) - fields
     if missing or unknown:
         problems.append(
-            f"{where}: fields differ from schema {SCHEMA_VERSION}: "
+            f"{where}: fields differ from schema {version}: "
             f"missing {sorted(missing)}, unknown {sorted(unknown)}"
         )
     for key, types in MANIFEST_TYPES.items():

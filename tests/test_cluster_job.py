@@ -7,6 +7,7 @@ from __future__ import annotations
 import functools
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -25,12 +26,15 @@ from transformers import AutoTokenizer
 
 from cluster.__main__ import main as cli_main
 from cluster.config import JobConfig, parse_config
-from cluster.driver import Driver, run_job
+from cluster.driver import Driver, _Running, run_job
 from cluster.job_store import ResumeConflict, open_or_create
+from cluster.report import ProgressMeter
+from cluster.shard_queue import ShardQueueActor
 from cluster.verify import verify
 from store.export import FORMATS, export
 from store.format import Store
 from store.reader import HiddenStatesDataset
+from tests.test_model_identity import fine_tuned_copy
 from tests.test_node_worker import assert_store_matches_reference
 from tools.ray_head import private_temp_dir
 from tools.s3_server import S3Server
@@ -374,3 +378,115 @@ def test_a_prompt_file_changed_since_the_store_was_planned_is_refused_naming_it(
 
     with pytest.raises(ResumeConflict, match=f"{prompts}: changed since the store was planned"):
         open_or_create(config, say=lambda _: None)
+
+
+def test_a_store_is_resumed_only_with_the_checkpoint_that_planned_it(
+    deepseek_path: Path, tmp_path: Path
+) -> None:
+    """The same weights moved elsewhere resume; a fine-tune at the same path (config, tokenizer
+    and file sizes unchanged) is refused naming its weights; so is a store of schema 2, which
+    recorded no weights to compare."""
+    prompts = tmp_path / "prompts.jsonl"
+    write_prompts(prompts, 5)
+    model = Path(shutil.copytree(deepseek_path, tmp_path / "model"))
+    raw = job_config(model, prompts, tmp_path / "s.zarr", tmp_path)
+    open_or_create(parse_config(raw), say=lambda _: None)
+
+    moved = model.rename(tmp_path / "moved")
+    raw["model"]["path"] = str(moved)
+    store, resumed = open_or_create(parse_config(raw), say=lambda _: None)
+    assert resumed and store.manifest.model == str(model)
+
+    fine_tuned_copy(moved, model)
+    raw["model"]["path"] = str(model)
+    with pytest.raises(ResumeConflict, match=r"weights_fingerprint: store '\w+' != config '\w+'"):
+        open_or_create(parse_config(raw), say=lambda _: None)
+
+    store = Store.open(tmp_path / "s.zarr", mode="r+")
+    manifest = store.manifest.to_json()
+    del manifest["weights_fingerprint"]
+    store.group.attrs["manifest"] = {**manifest, "schema_version": 2}
+    raw["model"]["path"] = str(moved)
+    with pytest.raises(ResumeConflict, match="has store schema 2, made by an earlier release"):
+        open_or_create(parse_config(raw), say=lambda _: None)
+
+
+def set_immutable(path: Path, on: bool) -> None:
+    """`chattr -R +i`: unwritable even by root, unlike a chmod (the tests may run as root)."""
+    subprocess.run(["chattr", "-R", "+i" if on else "-i", str(path)], check=True)
+
+
+def test_a_store_made_read_only_mid_job_fails_its_shards_cleanly_and_the_job_says_so(
+    two_nodes: Cluster, deepseek_path: Path, tmp_path: Path
+) -> None:
+    probe = tmp_path / "probe"
+    probe.mkdir()
+    try:
+        set_immutable(probe, True)
+    except (OSError, subprocess.CalledProcessError) as exc:
+        pytest.skip(f"chattr +i is not available here: {exc}")
+    set_immutable(probe, False)
+    rows = write_prompts(tmp_path / "prompts.jsonl", 12)
+    url = tmp_path / "s.zarr"
+    raw = job_config(deepseek_path, tmp_path / "prompts.jsonl", url, tmp_path)
+    raw["worker"]["max_node_failures"] = 1  # one failed worker per node, then the job stops
+    log: list[str] = []
+    driver = Driver(parse_config(raw), say=log.append)
+    result: list[int] = []
+    thread = threading.Thread(target=lambda: result.append(driver.run()))
+    thread.start()
+    deadline = time.monotonic() + 400
+    while store_committed(url) < 1:
+        assert time.monotonic() < deadline and thread.is_alive(), "no shard was committed"
+        time.sleep(0.2)
+    set_immutable(url, True)
+    try:
+        thread.join(600)
+        assert result == [1]
+        text = "\n".join(log)
+        assert "Operation not permitted" in text and str(url) in text, text[-3000:]
+        assert "hidden-state extraction report" in text
+        assert f"could not keep the report in the store: {url}: PermissionError" in text
+        # Nothing half-committed: every committed shard is whole and right, the rest are
+        # named as not committed, and no other check fails.
+        store = Store.open(url)
+        committed = np.flatnonzero(store.committed()).tolist()
+        assert 1 <= len(committed) < len(store.shards)
+        report = verify(url)
+        assert {f.check for f in report.findings if f.level == "error"} == {"commits"}
+        assert_store_matches_reference(store, deepseek_path, committed)
+    finally:
+        set_immutable(url, False)
+
+    # Writable again: the same job resumes and finishes, every sample exactly once.
+    assert run_job(parse_config(raw), say=lambda _: None) == 0
+    assert_exactly_once(Store.open(url), rows, deepseek_path)
+
+
+@ray.remote(num_cpus=0)
+class JustCommitted:
+    """A worker whose shard commits between the driver's two reads: asked for its state, it
+    completes its shard at the queue first, then reports itself idle."""
+
+    def __init__(self, queue: Any) -> None:
+        self.queue = queue
+
+    def status(self) -> dict[str, Any]:
+        lease = ray.get(self.queue.acquire.remote("w"))
+        ray.get(self.queue.claim.remote(lease.lease_id))
+        summary = {"samples": 3, "tokens": 30, "bytes_written": 0, "failed": {}}
+        assert ray.get(self.queue.complete.remote(lease.lease_id, summary))
+        return {"worker": "w", "phase": "idle", "shard": None, "written": 0}
+
+
+def test_the_progress_line_counts_a_shard_committed_between_its_reads(
+    two_nodes: Cluster, deepseek_path: Path, tmp_path: Path
+) -> None:
+    raw = job_config(deepseek_path, tmp_path / "prompts.jsonl", tmp_path / "s.zarr", tmp_path)
+    driver = Driver(parse_config(raw))
+    queue = ShardQueueActor.remote([0, 1])
+    worker = JustCommitted.remote(queue)
+    driver.workers[ray.put(None)] = _Running("node", "w", worker)
+    meter = ProgressMeter(total_samples=6, total_tokens=60)
+
+    assert "samples 3/6" in driver._progress_line(meter, queue)

@@ -17,13 +17,14 @@ import torch
 from transformers import AutoTokenizer
 
 from actors.calibration import CalibrationError
-from actors.node_worker import NodeWorker, WorkerConfig
+from actors.node_worker import ModelMismatch, NodeWorker, WorkerConfig
 from actors.sglang_server import ServerError
 from cluster.shard_queue import ShardQueueActor
 from store.format import Store, create_store, make_manifest
 from store.layers import expected_capture
 from tests.hf_reference import TOLERANCE, assert_matches
 from tests.local_ray import local_ray
+from tests.test_model_identity import fine_tuned_copy
 
 pytestmark = pytest.mark.slow
 
@@ -210,6 +211,21 @@ def test_calibration_refuses_a_server_whose_layers_differ_from_the_manifest(
     assert status.pending == 1 and status.completed == 0
 
 
+def test_a_worker_whose_node_has_another_checkpoint_refuses_before_any_work(
+    ray_cluster: None, deepseek_path: Path, tmp_path: Path
+) -> None:
+    plan_store(deepseek_path, tmp_path / "store.zarr", count=2, per_shard=2)
+    queue = ShardQueueActor.remote([0], lease_seconds=60)
+    tuned = fine_tuned_copy(deepseek_path, tmp_path / "tuned")  # the node's copy at model.path
+    config = worker_config(tuned, tmp_path / "store.zarr", tmp_path)
+    worker = NodeWorker.options(resources={"sglang_node": 1}).remote(config, queue)
+    with pytest.raises(ModelMismatch, match=f"{tuned}: weights_fingerprint"):
+        ray.get(worker.run.remote(), timeout=120)
+    status = ray.get(queue.status.remote())
+    assert status.pending == 1 and status.completed == 0
+    assert not list(tmp_path.glob("hsx-worker-*/server.log")), "no server was started"
+
+
 def test_worker_whose_lease_is_revoked_stops_writing_and_does_not_commit(
     ray_cluster: None, deepseek_path: Path, tmp_path: Path
 ) -> None:
@@ -241,6 +257,7 @@ def test_worker_whose_lease_is_revoked_stops_writing_and_does_not_commit(
     assert ray.get(queue.complete.remote(other.lease_id, {}))
     (summary,) = ray.get(run, timeout=600)
     assert summary["lease_lost"] is True
+    assert "lease lost (the queue refused" in summary["lease_lost_cause"]
     assert summary["written"] < 40
 
 

@@ -262,6 +262,13 @@ def test_every_reject_reason(tmp_path: Path, llama_path: Path, tok: Any) -> None
             "mp",
             "messages[0].content must be a string, got list",
         ),
+        ({"id": "tw", "text": " \n\t "}, "tw", "text is only whitespace"),
+        (
+            {"id": "mu", "messages": [{"role": "narrator", "content": "x"}, *chat("a", "b")]},
+            "mu",
+            "messages[0].role 'narrator' is not one of data.roles "
+            "['system', 'user', 'assistant', 'tool']",
+        ),
         ({"id": "na", "messages": chat("question?")}, "na", "no assistant turn to train on"),
         ({"id": "l", "text": long_text}, "l", f"{n_long} tokens > max_length 64"),
         (
@@ -280,6 +287,10 @@ def test_every_reject_reason(tmp_path: Path, llama_path: Path, tok: Any) -> None
     # The same rows read under loss_mask all keep "na" (no assistant turn needed).
     plan_all = plan_for(tmp_path / "r.jsonl", llama_path, max_length=64, loss_mask="all")
     assert plan_all.sample_ids == ["t1", "c1", "na", "t2"]
+    # A role the template knows is allowed by naming it.
+    roles = ["narrator", "user", "assistant"]
+    plan_roles = plan_for(tmp_path / "r.jsonl", llama_path, max_length=64, roles=roles)
+    assert plan_roles.sample_ids == ["t1", "c1", "mu", "t2"]
 
 
 def test_out_of_vocab_tokens(tmp_path: Path, model_copy, tok: Any) -> None:
@@ -373,7 +384,9 @@ def test_template_errors_zero_tokens_and_unmarked_rows(
         ids, mask = plan.input_ids[1], plan.loss_masks[1]
         assert mask_runs(ids, mask, tok) == [ASSISTANT_END]
     silent = write_jsonl(tmp_path / "s.jsonl", [{"messages": [{"role": "silent", "content": "x"}]}])
-    plan = plan_for(silent, llama_path, chat_template=str(template), loss_mask="all")
+    plan = plan_for(
+        silent, llama_path, chat_template=str(template), loss_mask="all", roles=["silent"]
+    )
     assert plan.rejected == [{"sample_id": "s.jsonl:1", "reason": "zero tokens"}]
 
 

@@ -2,6 +2,12 @@
 
 from __future__ import annotations
 
+import time
+from typing import Any
+
+import pytest
+
+from actors.lease_keeper import LeaseKeeper, LeaseLost
 from cluster.shard_queue import ShardQueue
 
 
@@ -121,3 +127,61 @@ def test_a_shard_failing_shard_attempts_times_is_given_up_with_its_reasons() -> 
     assert status.finished and (status.completed, status.failed) == (1, 1)
     assert status.failures == {first.shard: ["w1: server crashed", "w2: node lost"]}
     assert queue.acquire("w4") is None
+
+
+def test_a_holder_that_expired_mid_write_and_then_died_fences_nobody() -> None:
+    clock = Clock()
+    queue = ShardQueue([0], lease_seconds=10, clock=clock)
+    hung = queue.acquire("w1")
+    assert hung is not None and queue.begin_write(hung.lease_id)
+    clock.now = 11  # expired with a write open: the next holder must wait for that write
+    again = queue.acquire("w2")
+    assert again is not None and again.deferred
+    assert queue.release_worker("w1") == []  # then its worker dies, holding no lease any more
+    assert queue.claim(again.lease_id) and queue.fenced(again.lease_id), "nothing is mid-write"
+
+
+def test_a_shard_is_given_up_only_once_no_tail_duplicate_holds_it() -> None:
+    for duplicate_succeeds in (True, False):
+        clock = Clock()
+        queue = ShardQueue([0, 1], lease_seconds=1000, shard_attempts=1, straggler_factor=1,
+                           straggler_min_seconds=5, clock=clock)  # fmt: skip
+        slow = queue.acquire("slow")
+        finish(queue, "fast")
+        clock.now = 10
+        dup = queue.acquire("fast")
+        assert dup is not None and dup.shard == slow.shard
+        queue.release(slow.lease_id, "server crashed")  # its one attempt is used up
+        status = queue.status()
+        assert not status.finished and status.failed == 0, "the duplicate may still finish it"
+        if duplicate_succeeds:
+            assert queue.claim(dup.lease_id) and queue.complete(dup.lease_id, {"by": "fast"})
+            expected = (2, 0)
+        else:
+            queue.release(dup.lease_id, "server crashed")
+            expected = (1, 1)
+        status = queue.status()
+        assert status.finished and (status.completed, status.failed) == expected
+        assert queue.acquire("idle") is None
+
+
+def test_a_heartbeat_that_raises_loses_the_lease_and_says_why() -> None:
+    queue = ShardQueue([0])
+    lease = queue.acquire("w1")
+
+    def call(method: str, *args: Any) -> Any:
+        if method == "heartbeat":
+            raise ConnectionError("the queue's node is gone")
+        return getattr(queue, method)(*args)
+
+    with LeaseKeeper(call, lease, interval=0.01) as keeper:
+        deadline = time.monotonic() + 10
+        while keeper.current():
+            assert time.monotonic() < deadline, "the failed heartbeat went unnoticed"
+            time.sleep(0.01)
+        cause = "heartbeat failed: ConnectionError: the queue's node is gone"
+        assert keeper.lost_cause == cause
+        with pytest.raises(LeaseLost, match=cause), keeper.writing():
+            pass
+        with pytest.raises(LeaseLost, match=cause):
+            keeper.claim_commit(timeout=1)

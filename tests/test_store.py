@@ -41,6 +41,7 @@ def manifest(dtype: str = "bfloat16", codec: dict | None = None) -> Manifest:
         model="tiny",
         model_config_hash="c" * 64,
         tokenizer_hash="t" * 64,
+        weights_fingerprint="w" * 64,
         chat_template_hash=None,
         layer_ids=[2, 4, 5],
         layer_convention="HF hidden_states[layer_ids[j]]",
@@ -407,6 +408,7 @@ def test_an_interrupted_creation_is_never_opened_as_a_plan(tmp_path: Path) -> No
 def test_make_manifest_hashes_the_model_and_picks_the_chunking(tmp_path: Path) -> None:
     (tmp_path / "config.json").write_text("{}")
     (tmp_path / "tokenizer.json").write_text("{}")
+    (tmp_path / "model.safetensors").write_bytes(b"weights")
     meta = {  # as in a dump's meta.json
         "layer_ids": [2, 30, 58],
         "layer_convention": "HF hidden_states[layer_ids[j]]",

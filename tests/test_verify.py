@@ -214,6 +214,7 @@ def edit_manifest(path: Path, edit) -> None:
             "field hidden_size must be int, got str '8'",
         ),
         (lambda a: a["manifest"].pop("chunk_tokens"), 2, "missing ['chunk_tokens']"),
+        (lambda a: a["manifest"].pop("weights_fingerprint"), 2, "missing ['weights_fingerprint']"),
         (lambda a: a["manifest"].update(dtype="float16"), 2, "dtype must be bfloat16 or float32"),
         (lambda a: a["manifest"].update(max_length=4), 1, "sample 0 (s0): length 5 > max_length 4"),
     ],
@@ -232,6 +233,22 @@ def test_a_corrupted_manifest_is_named(tmp_path: Path, edit, status: int, messag
         }
         assert f"{path}/zarr.json" in errors(report)[0]
     assert main(["--store", str(path)]) == status
+
+
+def test_a_store_of_the_previous_schema_still_verifies(tmp_path: Path) -> None:
+    """Schema 2 had no weights fingerprint; its stores stay readable (and verifiable)."""
+    path = build_store(tmp_path / "s.zarr")
+
+    def to_schema_2(attrs: dict) -> None:
+        del attrs["manifest"]["weights_fingerprint"]
+        attrs["manifest"]["schema_version"] = 2
+
+    edit_manifest(path, to_schema_2)
+    report = verify(path)
+    assert report.exit_code == 0, report.format()
+    assert Store.open(path).manifest.weights_fingerprint is None
+    edit_manifest(path, lambda a: a["manifest"].update(weights_fingerprint="w" * 64))
+    assert "unknown ['weights_fingerprint']" in errors(verify(path))[0]
 
 
 def test_unreadable_zarr_json_and_a_missing_store_exit_2(tmp_path: Path) -> None:
