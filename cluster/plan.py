@@ -115,6 +115,7 @@ import numpy as np
 import pyarrow as pa
 
 from cluster.config import DataConfig
+from store.model_identity import sha256_file
 
 log = logging.getLogger("cluster.plan")
 
@@ -320,21 +321,16 @@ def _read_hf(path: Path, data: DataConfig) -> Iterator[_RawRow]:
             index += 1
 
 
-def _sha256_file(path: Path) -> str:
-    with path.open("rb") as f:
-        return hashlib.file_digest(f, "sha256").hexdigest()
-
-
 def _sha256(path: Path) -> str:
     """Of a file's bytes; of a dataset directory, of every file in it by relative path."""
-    return _sha256_dir(path) if path.is_dir() else _sha256_file(path)
+    return _sha256_dir(path) if path.is_dir() else sha256_file(path)
 
 
 def _sha256_dir(path: Path) -> str:
     h = hashlib.sha256()
     for file in sorted(p for p in path.rglob("*") if p.is_file()):
         h.update(file.relative_to(path).as_posix().encode() + b"\0")
-        h.update(bytes.fromhex(_sha256_file(file)))
+        h.update(bytes.fromhex(sha256_file(file)))
     return h.hexdigest()
 
 

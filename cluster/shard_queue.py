@@ -233,10 +233,10 @@ class ShardQueue:
         if error is not None:
             self._failures.setdefault(shard, []).append(error)
         held = any(h.lease.shard == shard for h in self._held.values())
-        done = shard in self._completed
-        if not done and not held and len(self._failures.get(shard, ())) >= self._attempts:
+        attempts_used = len(self._failures.get(shard, ())) >= self._attempts
+        if attempts_used and not held and shard not in self._completed:
             self._failed.add(shard)  # not while a live lease (a tail duplicate) may complete it
-        done = done or shard in self._failed
+        done = shard in self._completed or shard in self._failed
         if not done and not held and shard not in self._pending:
             self._pending.appendleft(shard)  # retried first: the job's tail is what we wait on
 

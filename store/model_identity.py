@@ -56,7 +56,8 @@ def weights_fingerprint(model_dir: str | Path) -> str:
 
 
 def sha256_file(path: str | Path) -> str:
-    return hashlib.sha256(Path(path).read_bytes()).hexdigest()
+    with Path(path).open("rb") as f:
+        return hashlib.file_digest(f, "sha256").hexdigest()
 
 
 def model_identity(model_dir: str | Path) -> dict[str, str]:
