@@ -30,9 +30,21 @@ class CalibrationError(RuntimeError):
 
 @dataclass(frozen=True)
 class Calibration:
-    offset: int  # the probe's dump counter: this server start's real dumps all come after it
+    offset: int  # the probe's dump counter: its rank's real dumps all come after it
     probe_tokens: int
     seconds: float
+    # The DP rank that served the probe (None: the server has one). Counters are per DP rank:
+    # the other ranks had captured nothing before the probe, and start at 0 after it.
+    dp_rank: int | None = None
+
+    def precedes_probe(self, meta: dict) -> bool:
+        """The dump was numbered at or before the probe on the probe's own rank: not one of
+        this server start's requests."""
+        return meta.get("dp_rank") == self.dp_rank and int(meta.get("index", -1)) <= self.offset
+
+    def describe(self) -> str:
+        rank = "" if self.dp_rank is None else f" on DP rank {self.dp_rank}"
+        return f"probe dump {self.offset}{rank}"
 
 
 def calibrate(
@@ -70,4 +82,6 @@ def calibrate(
             )
     finally:
         release_dump(response.dump_path)
-    return Calibration(int(meta["index"]), len(server_ids), time.monotonic() - started)
+    return Calibration(
+        int(meta["index"]), len(server_ids), time.monotonic() - started, meta.get("dp_rank")
+    )

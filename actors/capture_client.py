@@ -1,8 +1,10 @@
 """Send one prompt to a patched server and locate the dump it produced.
 
-The response's `meta_info["hidden_capture_dump"]` names the dump directory. The plugin
-publishes it from a background thread with an atomic rename, so the response may arrive
-first: `wait_for_dump` polls until the directory exists.
+The response's `meta_info["hidden_capture_dump"]` names the dump directory: the one way to
+find it (a server under `--dp-size` numbers dumps per DP rank, in a folder per rank, so no
+name can be derived from a counter). The plugin publishes it from a background thread with an
+atomic rename, so the response may arrive first: `wait_for_dump` polls until the directory
+exists.
 """
 
 from __future__ import annotations
@@ -24,7 +26,8 @@ class CaptureError(RuntimeError):
 class CaptureResponse:
     rid: str
     dump_path: Path
-    dump_index: int
+    dump_index: int  # the counter of the DP rank that served it
+    dp_rank: int | None  # None: the server has one DP rank
     meta_info: dict[str, Any]
 
 
@@ -56,7 +59,9 @@ def generate_and_capture(
     last = entries[-1]
     if "error" in last:
         raise CaptureError(f"rid {rid}: capture failed in the server: {last['error']}")
-    return CaptureResponse(rid, Path(last["path"]), int(last["index"]), meta_info)
+    return CaptureResponse(
+        rid, Path(last["path"]), int(last["index"]), last.get("dp_rank"), meta_info
+    )
 
 
 def wait_for_dump(path: Path, timeout: float = 60.0) -> Path:

@@ -31,10 +31,10 @@ def verify_dump(
 ) -> None:
     if meta.get("rid") != rid:
         raise DumpMismatch(f"dump belongs to rid {meta.get('rid')!r}, not {rid!r}")
-    if int(meta.get("index", -1)) <= calibration.offset:
+    if calibration.precedes_probe(meta):
         raise DumpMismatch(
             f"dump index {meta.get('index')} is not after this server's calibration "
-            f"({calibration.offset}): a stale dump"
+            f"({calibration.describe()}): a stale dump"
         )
     if cached_tokens != 0:
         raise DumpMismatch(f"{cached_tokens} prompt tokens came from the prefix cache")

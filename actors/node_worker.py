@@ -3,7 +3,8 @@
     worker = NodeWorker.options(resources={"sglang_node": 1}).remote(config, queue)
     summaries = ray.get(worker.run.remote())     # until every shard is done
 
-run(): start the server (TP = the node's GPUs; CPU flags where there are none) -> calibrate ->
+run(): start the server (on the GPU group Ray gave this worker; CPU flags where there is
+none) -> calibrate ->
 loop: lease a shard -> K requests in flight -> read + verify each dump -> hand rows to the shard
 writer -> claim + commit -> complete the lease. With nothing to lease it waits (a dead worker's
 shards or a straggler may still come its way) until the queue says the job is finished. The
@@ -61,7 +62,8 @@ class WorkerConfig:
     storage_options: dict[str, Any] = field(default_factory=dict)  # see store/location.py
     aux_layer_ids: list[int] | None = None
     trust_remote_code: bool = False  # for the tokenizer (the server gets its own flag)
-    tp_size: int | None = None  # None: every GPU of the node (1 on a CPU node)
+    tp_size: int | None = None  # None: every GPU Ray gave this worker / dp_size (1 on CPU)
+    dp_size: int = 1  # SGLang --dp-size: the server spans tp_size x dp_size GPUs
     server_args: list[str] = field(default_factory=list)
     max_total_tokens: int | None = None  # None: SGLang's own sizing on GPU, 8192 on CPU
     inflight: int = 8  # requests in flight, so SGLang batches them
@@ -155,7 +157,11 @@ class NodeWorker:
         """Dumps published or being published and not yet released (they hold /dev/shm, and
         on GPU count against max_pending_bytes)."""
         held = ("req_", f"{TMP_PREFIX}req_")
-        return sum(p.name.startswith(held) for p in self.dump_dir.glob("server-*/*"))
+        return sum(
+            p.name.startswith(held)
+            for pattern in ("server-*/*", "server-*/dp*/*")  # dp*: a DP rank's own folder
+            for p in self.dump_dir.glob(pattern)
+        )
 
     @property
     def server_log(self) -> Path:
@@ -187,9 +193,10 @@ class NodeWorker:
         lent to the writer are released as usual."""
         self.phase = "starting"
         for earlier in self.dump_dir.glob("server-*"):  # every server there is gone by now
-            clear_unpublished(earlier)
-            with contextlib.suppress(OSError):  # empty: nothing of it is held any more
-                earlier.rmdir()
+            for root in (*earlier.glob("dp*/"), earlier):  # a writer's root per DP rank
+                clear_unpublished(root)
+                with contextlib.suppress(OSError):  # empty: nothing of it is held any more
+                    root.rmdir()
         self.server_dumps = self.dump_dir / f"server-{self.restarts}"
         on_gpu = torch.cuda.is_available()
         spec = ServerSpec(
@@ -202,7 +209,8 @@ class NodeWorker:
                 max_tokens=self.store.manifest.max_length,
             ),
             aux_layer_ids=self.config.aux_layer_ids,
-            tp_size=self.config.tp_size or (torch.cuda.device_count() if on_gpu else 1),
+            tp_size=self._tp_size(on_gpu),
+            dp_size=self.config.dp_size,
             max_total_tokens=self.config.max_total_tokens or (None if on_gpu else 8192),
             extra_args=list(self.config.server_args),
         )
@@ -213,6 +221,22 @@ class NodeWorker:
             self.probe_ids,
             spec.capture.rid_prefix,
         )
+
+    def _tp_size(self, on_gpu: bool) -> int:
+        """The server's TP size. Ray pins this worker to its GPU group (num_gpus), so the GPUs
+        it sees, CUDA_VISIBLE_DEVICES inherited by the server, are exactly that group."""
+        if not on_gpu:
+            return self.config.tp_size or 1
+        visible, dp = torch.cuda.device_count(), self.config.dp_size
+        tp = self.config.tp_size or visible // dp
+        if not tp or tp * dp > visible:
+            raise ServerError(
+                f"worker {self.id}: tp_size {self.config.tp_size} x dp_size {dp} needs more "
+                f"GPUs than the {visible} it was given (Ray GPU ids {ray.get_gpu_ids()}, "
+                f"CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES')!r})"
+            )
+        logger.info("worker %s: tp %d x dp %d on GPUs %s", self.id, tp, dp, ray.get_gpu_ids())
+        return tp
 
     def _restart_server(self) -> None:
         """Bounded attempts with backoff; the last failure carries the server's log tail."""
@@ -237,6 +261,8 @@ class NodeWorker:
     # -- one shard ----------------------------------------------------------------------------
 
     def _process(self, lease: Lease) -> dict[str, Any]:
+        if lease.shard >= len(self.store.shards):  # planned after this worker opened the store
+            self.store.refresh()
         shard = self.store.shards[lease.shard]
         started = time.monotonic()
         self.phase = "working"
@@ -416,6 +442,7 @@ class NodeWorker:
             "bytes_written": writer.bytes_written if writer else 0,
             "deferred": lease.deferred,
             "server_restarts": self.restarts,
+            "finished_at": round(time.time(), 3),  # wall clock: comparable across nodes
         }
 
 

@@ -46,6 +46,7 @@ class ServerSpec:
     # None: SGLang's EAGLE-3 default [2, L//2, L-3], the layers its drafter is served with.
     aux_layer_ids: list[int] | None = None
     tp_size: int = 1
+    dp_size: int = 1  # SGLang --dp-size: replicas in one server, each of tp_size GPUs
     host: str = "127.0.0.1"
     port: int | None = None  # None: pick a free one
     max_total_tokens: int | None = 8192  # caps the KV pool (CPU would otherwise size ~15 GB)
@@ -70,6 +71,7 @@ def build_command(spec: ServerSpec, port: int, keys_file: Path) -> list[str]:
         "--host", spec.host,
         "--port", str(port),
         "--tp-size", str(spec.tp_size),
+        "--dp-size", str(spec.dp_size),
         "--enable-return-aux-hidden-states",
         "--speculative-algorithm", "EAGLE3",
         "--disable-radix-cache",
@@ -96,8 +98,32 @@ def build_env(spec: ServerSpec) -> dict[str, str]:
     env.pop("OMP_NUM_THREADS", None)
     if (spec.device or ("cuda" if torch.cuda.is_available() else "cpu")) == "cpu":
         env["SGLANG_USE_CPU_ENGINE"] = "1"  # without it SGLang's CPU path imports vllm
+        ranks = spec.tp_size * spec.dp_size
+        if ranks > 1 and "SGLANG_CPU_OMP_THREADS_BIND" not in env:
+            # Else SGLang refuses more ranks than NUMA nodes ("SGLANG_CPU_OMP_THREADS_BIND is
+            # not set, in this case, the total number of ranks ... should be smaller than or
+            # equal to number of numa node"): give each rank its share of our CPUs.
+            env["SGLANG_CPU_OMP_THREADS_BIND"] = cpu_bind_groups(
+                sorted(os.sched_getaffinity(0)), ranks
+            )
     env.update(spec.extra_env)
     return env
+
+
+def cpu_bind_groups(cpus: list[int], ranks: int) -> str:
+    """`0-15|16-31`: sorted `cpus` split into `ranks` groups (ranks share a CPU when fewer),
+    each written as runs (`0-3,8-11`, a libnuma CPU string)."""
+    groups = []
+    for r in range(ranks):
+        part = cpus[r * len(cpus) // ranks : (r + 1) * len(cpus) // ranks] or [cpus[r % len(cpus)]]
+        runs: list[list[int]] = []
+        for cpu in part:
+            if runs and cpu == runs[-1][1] + 1:
+                runs[-1][1] = cpu
+            else:
+                runs.append([cpu, cpu])
+        groups.append(",".join(f"{a}-{b}" if b > a else str(a) for a, b in runs))
+    return "|".join(groups)
 
 
 class ServerError(RuntimeError):

@@ -314,7 +314,8 @@ class ShardWriter:
         for f in self._futures:
             f.result()  # re-raise a failed chunk write
         self._raise_if_stopped()
-        self.fence.claim_commit(self._fence_timeout)  # first claim wins; others stop writing
+        # First claim wins; then wait until no former holder of the shard can still write.
+        self.fence.claim_commit(self._fence_timeout)
         if self._spill is not None:
             self._flush_spill()
         sh, array = self.shard, self.store.array

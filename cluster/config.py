@@ -10,11 +10,22 @@ directory (the job's working directory under `ray job submit`).
 
 from __future__ import annotations
 
+import datetime
+import re
 from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
+
+from store.location import DEFAULT_CLIENT_OPTIONS, DEFAULT_RETRY, is_remote
 
 
 class _Section(BaseModel):
@@ -38,14 +49,38 @@ class ModelConfig(_Section):
         return ids
 
 
+# Set through their fields: the placement of servers on GPUs depends on them.
+_PLACEMENT_ARGS = {
+    "--tp-size": "tp_size",
+    "--tensor-parallel-size": "tp_size",
+    "--dp-size": "dp_size",
+    "--data-parallel-size": "dp_size",
+}
+
+
 class ServerConfig(_Section):
-    tp_size: int | None = Field(None, ge=1)  # null: every GPU of the node (1 on a CPU node)
+    # GPUs of one tensor-parallel group; null: the GPUs of a server's share of the node
+    # (every GPU with one server per node; 1 on a CPU node).
+    tp_size: int | None = Field(None, ge=1)
+    # SGLang --dp-size: data-parallel replicas inside one server, each of tp_size GPUs, so a
+    # server spans tp_size x dp_size GPUs. DP attention (--attn-dp-size, within the TP group)
+    # goes in extra_args.
+    dp_size: int = Field(1, ge=1)
     extra_args: list[str] = []  # appended to the SGLang command line
     max_total_tokens: int | None = Field(None, ge=1)  # null: SGLang's sizing (8192 on CPU)
     start_timeout_s: float = Field(900.0, gt=0)
     restarts: int = Field(3, ge=0)  # per worker, each followed by a fresh calibration
     restart_backoff_s: float = Field(5.0, ge=0)
     request_timeout_s: float = Field(900.0, gt=0)
+
+    @field_validator("extra_args")
+    @classmethod
+    def _no_placement_args(cls, args: list[str]) -> list[str]:
+        for arg in args:
+            flag = arg.split("=", 1)[0]
+            if flag in _PLACEMENT_ARGS:
+                raise ValueError(f"{flag}: set server.{_PLACEMENT_ARGS[flag]} instead")
+        return args
 
 
 class DataConfig(_Section):
@@ -83,11 +118,52 @@ class WorkerConfigSection(_Section):
     max_pending_bytes: int = Field(4 << 30, ge=1 << 20)
     writer_threads: int = Field(2, ge=1)
     heartbeat_s: float = Field(10.0, gt=0)
-    max_node_failures: int = Field(3, ge=1)  # workers lost on one node before it is given up
+    # Servers (each with its own worker) per node. null: as many as the node's GPUs hold
+    # (GPUs // (tp_size x dp_size)), 1 on a CPU node; a number: exactly that many (on a CPU
+    # node too, e.g. for tests), an error for a GPU node too small for them.
+    servers_per_node: int | None = Field(None, ge=1)
+    # Workers lost in one server slot of a node before that slot is given up (with one server
+    # per node: the node).
+    max_node_failures: int = Field(3, ge=1)
+
+
+# obstore's own defaults where store/location.py sets none.
+_OBSTORE_DEFAULT_MAX_BACKOFF_S = 15.0
+_DURATION_UNITS = {"ms": 1e-3, "s": 1.0, "sec": 1.0, "m": 60.0, "min": 60.0, "h": 3600.0}
+
+
+def _seconds(value: Any) -> float:
+    """An obstore duration (timedelta, seconds, or "60s", "1m 30s", "500ms") in seconds."""
+    if isinstance(value, datetime.timedelta):
+        return value.total_seconds()
+    if isinstance(value, int | float):
+        return float(value)
+    text = str(value).strip().lower()
+    pairs = re.findall(r"(\d+(?:\.\d+)?)\s*([a-z]+)\s*", text)
+    if not re.fullmatch(r"(\d+(\.\d+)?\s*[a-z]+\s*)+", text) or any(
+        unit not in _DURATION_UNITS for _, unit in pairs
+    ):
+        raise ValueError(f"cannot read {value!r} as a duration (e.g. 60s, 1m 30s, 500ms)")
+    return sum(float(n) * _DURATION_UNITS[unit] for n, unit in pairs)
+
+
+def store_write_bound_s(storage_options: dict[str, Any]) -> float:
+    """The longest one chunk PUT to object storage can go on: its last retry starts by
+    retry_timeout + max_backoff and runs at most the client timeout (store/location.py)."""
+    client = {**DEFAULT_CLIENT_OPTIONS, **storage_options.get("client_options", {})}
+    retry = {**DEFAULT_RETRY, **storage_options.get("retry_config", {})}
+    max_backoff = retry.get("backoff", {}).get("max_backoff", _OBSTORE_DEFAULT_MAX_BACKOFF_S)
+    return _seconds(retry["retry_timeout"]) + _seconds(max_backoff) + _seconds(client["timeout"])
 
 
 class QueueConfig(_Section):
-    lease_s: float = Field(120.0, gt=0)  # a lease not renewed this long goes back to the queue
+    lease_s: float = Field(300.0, gt=0)  # a lease not renewed this long goes back to the queue
+    # A holder starts no store write later than lease_s - margin_s after asking for its last
+    # renewal, and the queue lets no one else write the shard until margin_s after the lease
+    # expired (cluster/shard_queue.py). Must exceed the longest a store write can take. null:
+    # that + 15 s on object storage (210 s with store/location.py's defaults); lease_s / 2 on
+    # a local store (no client timeout there: a write to a hung mount is not bounded).
+    margin_s: float | None = Field(None, gt=0)
     shard_attempts: int = Field(3, ge=1)  # leases of a shard lost to failures before it is failed
     # At the tail (nothing pending) an idle worker re-runs a shard leased longer than
     # straggler_factor x the median shard time (and at least straggler_min_s); first commit wins.
@@ -102,6 +178,9 @@ class DriverConfig(_Section):
     finish_grace_s: float = Field(60.0, ge=0)
     # With no usable GPU node at all, wait this long for one to join before giving up.
     node_wait_s: float = Field(300.0, ge=0)
+    # Parts of the data planned at once (Ray tasks spread over the cluster); null: the
+    # cluster's CPUs. The plan is the same whatever the number.
+    planners: int | None = Field(None, ge=1)
 
 
 class JobConfig(_Section):
@@ -112,6 +191,38 @@ class JobConfig(_Section):
     worker: WorkerConfigSection = WorkerConfigSection()
     queue: QueueConfig = QueueConfig()
     driver: DriverConfig = DriverConfig()
+
+    @property
+    def margin_s(self) -> float:
+        """queue.margin_s, or its default for this store (see QueueConfig)."""
+        if self.queue.margin_s is not None:
+            return self.queue.margin_s
+        if is_remote(self.store.url):
+            return store_write_bound_s(self.store.storage_options) + 15.0
+        return self.queue.lease_s / 2
+
+    @model_validator(mode="after")
+    def _lease_timing(self) -> JobConfig:
+        """The time fence's assumptions (cluster/shard_queue.py): every store write ends within
+        the margin, the lease outlasts it, and heartbeats renew well before lease - margin."""
+        lease, margin, beat = self.queue.lease_s, self.margin_s, self.worker.heartbeat_s
+        bound = store_write_bound_s(self.store.storage_options) if is_remote(self.store.url) else 0
+        if margin <= bound:
+            raise ValueError(
+                f"queue.margin_s ({margin:g} s) must exceed the longest a store write can take "
+                f"({bound:g} s: client timeout + retry_timeout + max_backoff of "
+                "store.storage_options)"
+            )
+        if lease <= margin:
+            raise ValueError(
+                f"queue.lease_s ({lease:g} s) must exceed queue.margin_s ({margin:g} s)"
+            )
+        if beat > (lease - margin) / 3:
+            raise ValueError(
+                f"worker.heartbeat_s ({beat:g} s) must be at most a third of queue.lease_s - "
+                f"queue.margin_s ({lease - margin:g} s): writes stop that long after a renewal"
+            )
+        return self
 
 
 class ConfigError(ValueError):

@@ -1,14 +1,19 @@
-"""The driver: plan or resume the store, run one NodeWorker per GPU node, watch, report.
+"""The driver: plan or resume the store, run a NodeWorker per server slot, watch, report.
 
     ray job submit ... -- python -m cluster run --config ray_configs/demo_job.yaml
 
-1. open_or_create: plan + create the store (storage estimate first), or resume it.
-2. one ShardQueueActor (num_cpus=0) with every shard not committed yet.
-3. one NodeWorker per alive node advertising `worker.node_resource`, pinned to it; nodes that
-   join later get one too (scale out by adding nodes while the job runs).
+1. open_or_create: create the (empty) store, or resume it.
+2. one ShardQueueActor (num_cpus=0) with every shard not committed yet; while the plan is
+   incomplete a PlanFeed thread plans the data on the cluster's CPUs (Ray tasks), streams the
+   shards into the store and adds them to the queue as they become visible, so capture starts
+   on the first shards while the rest is planned (storage estimate once planning ends).
+3. one NodeWorker per server slot of every alive node advertising `worker.node_resource`
+   (cluster/placement.py: one server per tp_size x dp_size GPUs, or worker.servers_per_node),
+   pinned to the node and to its GPUs; nodes that join later get theirs too (scale out by
+   adding nodes while the job runs).
 4. ray.wait on the workers' run() calls: a worker that dies or fails has its shards re-queued
-   at once (lease expiry is only the backstop) and, while its node is alive and has failed
-   fewer than `worker.max_node_failures` times, a replacement.
+   at once (lease expiry is only the backstop) and, while its node is alive and its slot has
+   failed fewer than `worker.max_node_failures` times, a replacement in the same slot.
 5. when every shard is committed or given up: the final report, as JSON in the store and as a
    table in the log. Exit status 0 only if every planned sample was written.
 """
@@ -27,6 +32,8 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 from actors.node_worker import NodeWorker, WorkerConfig
 from cluster.config import JobConfig
 from cluster.job_store import open_or_create
+from cluster.placement import NodePlan, PlacementError, plan_node, resource_share
+from cluster.plan_feed import PlanFeed
 from cluster.report import ProgressMeter, build_report, format_report
 from cluster.shard_queue import QueueStatus, ShardQueueActor
 from store.location import describe_failure
@@ -40,6 +47,7 @@ def worker_config(config: JobConfig) -> WorkerConfig:
         storage_options=config.store.storage_options,
         aux_layer_ids=m.aux_layer_ids,
         tp_size=s.tp_size,
+        dp_size=s.dp_size,
         server_args=[
             "--dtype",
             m.dtype,
@@ -59,7 +67,8 @@ def worker_config(config: JobConfig) -> WorkerConfig:
         log_root=w.log_root,
         max_pending_bytes=w.max_pending_bytes,
         writer_threads=w.writer_threads,
-        fence_timeout=config.queue.lease_s * 5,
+        # A claim waits at most lease + margin for a former holder (cluster/shard_queue.py).
+        fence_timeout=2 * (config.queue.lease_s + config.margin_s),
     )
 
 
@@ -68,6 +77,7 @@ class _Running:
     node_id: str
     worker_id: str
     handle: Any
+    slot: int = 0  # which of its node's servers (worker.servers_per_node) it runs
 
 
 @dataclass
@@ -75,21 +85,23 @@ class Driver:
     config: JobConfig
     say: Any = print
     workers: dict[Any, _Running] = field(default_factory=dict)  # run() ref -> worker
-    node_failures: dict[str, int] = field(default_factory=dict)
+    node_failures: dict[tuple[str, int], int] = field(default_factory=dict)  # (node, slot)
+    node_plans: dict[str, NodePlan | PlacementError] = field(default_factory=dict)  # by node
     workers_lost: list[dict[str, str]] = field(default_factory=list)
     incarnation: int = 0
 
     def run(self) -> int:
         started = time.monotonic()
         # The store first: a bad location or config fails in seconds, before Ray is touched.
-        store, resumed = open_or_create(self.config, self.say)
+        store, resumed, builder = open_or_create(self.config, self.say)
         if not ray.is_initialized():
             ray.init()
         committed = store.committed()
         todo = [sh for sh in store.shards if not committed[sh.index]]
-        self.say(f"{len(todo)} of {len(store.shards)} shards to do")
-        status = None
-        if todo:
+        if builder is None:
+            self.say(f"{len(todo)} of {len(store.shards)} shards to do")
+        status, feed = None, None
+        if todo or builder is not None:
             q = self.config.queue
             queue = ShardQueueActor.remote(
                 [sh.index for sh in todo],
@@ -97,6 +109,8 @@ class Driver:
                 q.shard_attempts,
                 q.straggler_factor,
                 q.straggler_min_s,
+                margin_seconds=self.config.margin_s,
+                more_coming=builder is not None,
             )
             done = [sh for sh in store.shards if committed[sh.index]]
             meter = ProgressMeter(
@@ -104,9 +118,14 @@ class Driver:
                 total_tokens=int(store.sample_length.sum()),
                 done_samples=sum(sh.sample_end - sh.sample_begin for sh in done),
                 done_tokens=sum(sh.token_end - sh.token_begin for sh in done),
+                planning=builder is not None,
             )
+            if builder is not None:
+                planners = self.config.driver.planners or int(ray.cluster_resources()["CPU"])
+                feed = PlanFeed(builder, self.config, queue, meter, planners, self.say)
+                feed.start()  # workers start below meanwhile
             try:
-                status = self._watch(queue, worker_config(self.config), meter)
+                status = self._watch(queue, worker_config(self.config), meter, feed)
             finally:
                 ray.kill(queue)
         summaries = status.summaries if status else {}
@@ -124,6 +143,7 @@ class Driver:
                     if k not in summaries
                 },
                 "workers_lost": self.workers_lost,
+                "planning": feed.record() if feed else None,
             },
         )
         self.say(format_report(report))
@@ -140,10 +160,15 @@ class Driver:
 
     # -- watching ---------------------------------------------------------------------------
 
-    def _watch(self, queue: Any, wconfig: WorkerConfig, meter: ProgressMeter) -> QueueStatus:
+    def _watch(
+        self, queue: Any, wconfig: WorkerConfig, meter: ProgressMeter, feed: PlanFeed | None
+    ) -> QueueStatus:
         interval = self.config.driver.progress_interval_s
         started, finished_at = time.monotonic(), None
         while True:
+            if feed is not None and feed.error is not None:
+                self._stop_workers("planning failed")
+                raise feed.error
             status: QueueStatus = ray.get(queue.status.remote())
             if status.finished and not self.workers:
                 return status
@@ -171,6 +196,12 @@ class Driver:
                 self._reap(ref, queue)
             self.say(self._progress_line(meter, queue))
 
+    def _stop_workers(self, why: str) -> None:
+        for ref, running in list(self.workers.items()):
+            self.say(f"{running.worker_id}: stopping it ({why})")
+            ray.kill(running.handle, no_restart=True)
+            del self.workers[ref]
+
     def _stop_lingering_workers(self) -> None:
         for ref, running in list(self.workers.items()):
             self.say(
@@ -192,42 +223,78 @@ class Driver:
             reason = f"worker failed: {exc.__class__.__name__}"
             detail = str(exc)
         shards = ray.get(queue.release_worker.remote(running.worker_id, reason))
-        self.node_failures[running.node_id] = self.node_failures.get(running.node_id, 0) + 1
+        slot = (running.node_id, running.slot)
+        self.node_failures[slot] = self.node_failures.get(slot, 0) + 1
         self.workers_lost.append({"worker": running.worker_id, "reason": detail[-2000:]})
         self.say(
             f"{running.worker_id}: {reason}; shards {shards} back in the queue "
-            f"(node failures {self.node_failures[running.node_id]}"
+            f"(failures in its slot {self.node_failures[slot]}"
             f"/{self.config.worker.max_node_failures})\n{detail[-2000:]}"
         )
         ray.kill(running.handle, no_restart=True)  # a failed actor may still hold its server
 
-    def _usable_nodes(self) -> list[dict[str, Any]]:
+    def _usable_nodes(self) -> list[tuple[dict[str, Any], NodePlan]]:
+        """Alive nodes advertising `worker.node_resource`, with the servers each hosts. A node
+        too small for them is said once and left out; if no node can host one, the job stops
+        (a config error) rather than wait for a node that fits."""
         resource = self.config.worker.node_resource
-        return [
-            n
-            for n in ray.nodes()
-            if n["Alive"]
-            and n["Resources"].get(resource, 0) >= 1
-            and self.node_failures.get(n["NodeID"], 0) < self.config.worker.max_node_failures
-        ]
+        nodes = [n for n in ray.nodes() if n["Alive"] and n["Resources"].get(resource, 0) >= 1]
+        plans = [(n, self._node_plan(n)) for n in nodes]
+        usable = [(n, plan) for n, plan in plans if isinstance(plan, NodePlan)]
+        if nodes and not usable and not self.workers:
+            raise PlacementError(
+                "no node can host a server:\n" + "\n".join(str(p) for _, p in plans)
+            )
+        return usable
+
+    def _node_plan(self, node: dict[str, Any]) -> NodePlan | PlacementError:
+        """Planned once per node: its GPUs do not change while it lives."""
+        node_id = node["NodeID"]
+        if node_id not in self.node_plans:
+            s, w = self.config.server, self.config.worker
+            name = f"{node['NodeManagerAddress']} ({node_id[:8]})"
+            gpus = int(node["Resources"].get("GPU", 0))
+            try:
+                plan = plan_node(name, gpus, s.tp_size, s.dp_size, w.servers_per_node)
+            except PlacementError as exc:
+                self.say(f"{exc}: no server there")
+                plan = exc
+            else:
+                self.say(
+                    f"node {name}: {plan.servers} server(s) of {plan.gpus_per_server} GPU(s)"
+                    + (f", {plan.idle_gpus} GPU(s) left idle" if plan.idle_gpus else "")
+                )
+            self.node_plans[node_id] = plan
+        return self.node_plans[node_id]
 
     def _start_missing_workers(self, wconfig: WorkerConfig, queue: Any) -> None:
-        busy = {r.node_id for r in self.workers.values()}
-        for node in self._usable_nodes():
-            if node["NodeID"] in busy:
-                continue
-            self.incarnation += 1
-            worker_id = f"{node['NodeManagerAddress']}-{node['NodeID'][:8]}-w{self.incarnation}"
-            handle = NodeWorker.options(
-                resources={self.config.worker.node_resource: 1},
-                # All the node's GPUs: Ray then points CUDA_VISIBLE_DEVICES at them (with none
-                # requested it would hide them), and the server inherits that.
-                num_gpus=node["Resources"].get("GPU", 0),
-                scheduling_strategy=NodeAffinitySchedulingStrategy(node["NodeID"], soft=False),
-                max_restarts=0,
-            ).remote(wconfig, queue, worker_id)
-            self.workers[handle.run.remote()] = _Running(node["NodeID"], worker_id, handle)
-            self.say(f"started {worker_id}")
+        """A worker for every free slot of every usable node: a lost worker's replacement
+        takes its slot, unless that slot lost `worker.max_node_failures` workers already."""
+        busy = {(r.node_id, r.slot) for r in self.workers.values()}
+        limit = self.config.worker.max_node_failures
+        for node, plan in self._usable_nodes():
+            for slot in range(plan.servers):
+                key = (node["NodeID"], slot)
+                if key not in busy and self.node_failures.get(key, 0) < limit:
+                    self._start_worker(node, plan, slot, wconfig, queue)
+
+    def _start_worker(
+        self, node: dict[str, Any], plan: NodePlan, slot: int, wconfig: WorkerConfig, queue: Any
+    ) -> None:
+        self.incarnation += 1
+        node_id = node["NodeID"]
+        worker_id = f"{node['NodeManagerAddress']}-{node_id[:8]}-s{slot}-w{self.incarnation}"
+        handle = NodeWorker.options(
+            # A share of the node's resource per server, so the node takes exactly its servers.
+            resources={self.config.worker.node_resource: resource_share(plan.servers)},
+            # Its GPU group: Ray points CUDA_VISIBLE_DEVICES at those GPUs (with none requested
+            # it would hide them), and the server inherits that and uses its devices 0..n-1.
+            num_gpus=plan.gpus_per_server,
+            scheduling_strategy=NodeAffinitySchedulingStrategy(node_id, soft=False),
+            max_restarts=0,
+        ).remote(wconfig, queue, worker_id)
+        self.workers[handle.run.remote()] = _Running(node_id, worker_id, handle, slot)
+        self.say(f"started {worker_id}")
 
     def _progress_line(self, meter: ProgressMeter, queue: Any) -> str:
         """Workers first, then the queue: a shard committed between the two reads is then in

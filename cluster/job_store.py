@@ -1,34 +1,32 @@
-"""The job's store: planned and created on the first run, re-opened and checked on a resume.
+"""The job's store: created on the first run and planned into (streamed, while workers capture),
+re-opened and checked on a resume.
 
 A resume re-uses the stored plan as it is (sample order, layout, rejects) and never re-reads
-the data; it only proves that the job submitted now is the job that made the store: same
-model (config, tokenizer and weights fingerprint), capture, chunking and plan inputs. Anything
-that differs is named and refused, because mixing two jobs' rows in one store would be silent
-corruption.
+the data, unless its planning was interrupted: then it plans again from the start and checks
+every shard the store already holds (store/builder.py). It first proves that the job submitted
+now is the job that made the store: same model (config, tokenizer and weights fingerprint),
+capture, chunking and plan inputs. Anything that differs is named and refused, because mixing
+two jobs' rows in one store would be silent corruption.
 """
 
 from __future__ import annotations
 
 import shutil
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import zarr.errors
 
 from cluster.config import JobConfig
-from cluster.plan import Plan, build_plan, chat_template_text, source_hashes
-from store.format import (
-    SCHEMA_VERSION,
-    Manifest,
-    Store,
-    StoreIncomplete,
-    create_store,
-    make_manifest,
-)
+from cluster.plan import PartEnd, PlanStream, Reject, chat_template_text, source_hashes
+from store.builder import StoreBuilder
+from store.format import Manifest, Shard, Store, StoreIncomplete, make_manifest
 from store.layers import expected_capture
 
-# Manifest fields a resume may differ in: where the model lives is not what it is (its hashes).
-RELOCATABLE = {"model"}
+# Manifest fields a resume may differ in: where the model lives is not what it is (its hashes),
+# and a schema-3 store (planned whole) takes the same rows as a schema-4 one.
+RELOCATABLE = {"model", "schema_version"}
 
 
 class ResumeConflict(ValueError):
@@ -70,15 +68,22 @@ def storage_estimate(manifest: Manifest, tokens: int) -> dict[str, int]:
     }
 
 
-def describe_plan(plan: Plan, manifest: Manifest, store_url: str) -> str:
-    estimate = storage_estimate(manifest, plan.total_tokens)
-    total = sum(estimate.values())
-    shards = -(-len(plan.sample_ids) // manifest.samples_per_shard)
-    lines = [
-        f"plan: {len(plan.sample_ids)} samples ({len(plan.rejected)} rejected), "
-        f"{plan.total_tokens:,} tokens, {shards} shards of {manifest.samples_per_shard} samples",
+def describe_capture(manifest: Manifest, store_url: str) -> str:
+    return (
         f"capture: layers {manifest.layer_ids} + final, hidden {manifest.hidden_size}, "
-        f"{manifest.dtype}, chunks of {manifest.chunk_tokens} tokens, codec {manifest.codec}",
+        f"{manifest.dtype}, chunks of {manifest.chunk_tokens} tokens, codec {manifest.codec}, "
+        f"shards of {manifest.samples_per_shard} samples, into {store_url}"
+    )
+
+
+def describe_plan(
+    manifest: Manifest, samples: int, tokens: int, rejected: list[dict[str, str]], store_url: str
+) -> str:
+    estimate = storage_estimate(manifest, tokens)
+    total = sum(estimate.values())
+    shards = -(-samples // manifest.samples_per_shard)
+    lines = [
+        f"plan: {samples} samples ({len(rejected)} rejected), {tokens:,} tokens, {shards} shards",
         f"storage estimate: {total / 1e9:.3f} GB before compression "
         f"(aux {estimate['aux_hidden_states'] / 1e9:.3f} GB, "
         f"final {estimate['final_hidden_states'] / 1e9:.3f} GB) at {store_url}",
@@ -89,18 +94,17 @@ def describe_plan(plan: Plan, manifest: Manifest, store_url: str) -> str:
         free = shutil.disk_usage(parent).free
         if free < total:
             lines.append(f"WARNING: only {free / 1e9:.1f} GB free at {parent}")
-    for r in plan.rejected[:10]:
+    for r in rejected[:10]:
         lines.append(f"  rejected {r['sample_id']}: {r['reason']}")
-    if len(plan.rejected) > 10:
-        lines.append(
-            f"  ... and {len(plan.rejected) - 10} more (all kept in the store's `rejected`)"
-        )
+    if len(rejected) > 10:
+        lines.append(f"  ... and {len(rejected) - 10} more (all kept in the store's `rejected`)")
     return "\n".join(lines)
 
 
-def open_or_create(config: JobConfig, say: Any = print) -> tuple[Store, bool]:
-    """The job's store and whether it was resumed. Planning (and the storage estimate) happens
-    here, before any server starts."""
+def open_or_create(config: JobConfig, say: Any = print) -> tuple[Store, bool, StoreBuilder | None]:
+    """The job's store, whether it was resumed, and the builder to plan into it (None: its
+    plan is complete). Only the empty store is made here: planning streams into it
+    (`plan_into`) while workers already capture, so a bad location still fails in seconds."""
     url = config.store.url
     interrupted = False
     try:
@@ -112,29 +116,59 @@ def open_or_create(config: JobConfig, say: Any = print) -> tuple[Store, bool]:
         say(f"{url}: an earlier creation was interrupted; creating the store anew")
     if store is not None:
         check_resume(store, config)
+        if not store.planned:
+            say(
+                f"resume: {url} was being planned ({len(store.shards)} shards so far); planning "
+                "again and checking the shards it holds"
+            )
+            return store, True, StoreBuilder.resume(store)
         done = int(store.committed().sum())
         say(
             f"resume: {url} holds {store.num_samples} planned samples, "
             f"{done}/{len(store.shards)} shards committed; re-using its plan"
         )
-        return store, True
-    plan = build_plan(config.data, config.model.path, config.model.trust_remote_code)
-    if not plan.sample_ids:
-        raise ValueError(f"no usable samples: all {len(plan.rejected)} rows were rejected")
-    manifest = manifest_for(config, plan.chat_template)
-    say(describe_plan(plan, manifest, url))
-    store = create_store(
+        return store, True, None
+    template = chat_template_text(config.data, config.model.path, config.model.trust_remote_code)
+    manifest = manifest_for(config, template)
+    builder = StoreBuilder.create(
         url,
         manifest,
-        plan.sample_ids,
-        plan.input_ids,
-        plan.loss_masks,
-        rejected=plan.rejected,
-        job=job_spec(config, [s["sha256"] for s in plan.sources]),
+        job=job_spec(config, source_hashes(config.data)),
         overwrite=interrupted,
         storage_options=config.store.storage_options,
     )
-    return store, False
+    say(describe_capture(manifest, url))
+    return builder.store, False, builder
+
+
+def plan_into(
+    builder: StoreBuilder,
+    config: JobConfig,
+    planners: int,
+    on_shards: Callable[[list[Shard]], None],
+    say: Any = print,
+) -> None:
+    """Plan the job's data into the store, handing each group of shards to `on_shards` as it
+    becomes visible (the queue), and the storage estimate to `say` at the end."""
+    stream = PlanStream(
+        config.data, config.model.path, config.model.trust_remote_code, planners=planners
+    )
+    rejected: list[dict[str, str]] = []
+    for item in stream:
+        if isinstance(item, Reject):
+            rejected.append(item.to_json())
+            continue
+        if isinstance(item, PartEnd):  # the stream may wait on a slow part: planned ones go out
+            shards = builder.flush()
+        else:
+            shards = builder.add(item.sample_id, item.input_ids, item.loss_mask)
+        if shards:
+            on_shards(shards)
+    if not stream.accepted:
+        raise ValueError(f"no usable samples: all {len(rejected)} rows were rejected")
+    if shards := builder.finish(rejected):
+        on_shards(shards)
+    say(describe_plan(builder.m, stream.accepted, stream.tokens, rejected, config.store.url))
 
 
 def changed_sources(paths: list[str], planned: list[str] | None, now: list[str]) -> list[str]:
@@ -150,7 +184,7 @@ def changed_sources(paths: list[str], planned: list[str] | None, now: list[str])
 
 def check_resume(store: Store, config: JobConfig) -> None:
     stored = store.manifest
-    if stored.schema_version < SCHEMA_VERSION:
+    if stored.weights_fingerprint is None:
         raise ResumeConflict(
             f"{config.store.url} has store schema {stored.schema_version}, made by an earlier "
             "release that recorded no weights fingerprint: which checkpoint made it cannot be "

@@ -1,13 +1,19 @@
 """The planning step: turn the prompt data named by `DataConfig` into tokenized samples and rejects.
 
-    plan = build_plan(config.data, config.model.path)
+    for item in PlanStream(config.data, config.model.path, planners=8):   # streamed, in order
+        ...  # a Sample (accepted) or a Reject in input order, a PartEnd after each part
+    plan = build_plan(config.data, config.model.path)                     # all of it, in memory
 
+Planning is data-parallel: the inputs are cut into parts (cluster/plan_sources.py: byte ranges
+of JSONL, row groups of Parquet, row ranges of datasets) and each part is read, checked,
+templated and tokenized by a Ray task anywhere in the cluster (`planners` at a time; 0: in this
+process). Results are consumed in part order, so ids, duplicates and the store are the same
+whatever the parallelism; only the ids seen so far and `planners` parts stay in memory.
 `source_hashes(data)` and `chat_template_text(data, model_path)` give the sources' sha256 and
 `plan.chat_template` without planning, for resume checks.
 
-Nothing here raises for a bad row: every row is either accepted (`plan.sample_ids`,
-`plan.input_ids`, `plan.loss_masks`, in input order) or rejected with a reason (`plan.rejected`,
-in input order). `PlanError` is only for an unusable input as a whole: a missing path, a format
+Nothing here raises for a bad row: every row is either accepted or rejected with a reason, in
+input order. `PlanError` is only for an unusable input as a whole: a missing path, a format
 that cannot be told or read, a missing chat template file, a model without tokenizer/config.json.
 
 ## Inputs
@@ -48,13 +54,13 @@ rows are all 1; chat rows have 1 on the assistant turns only, found one of two w
 - the template has `{% generation %}` markers (and the tokenizer is a fast one): transformers'
   `apply_chat_template(..., return_assistant_tokens_mask=True)`, i.e. every token that overlaps
   a generation block (typically the content and the end-of-turn token);
-- otherwise by prefix differences: for each assistant turn k, the tokens between the rendering of
-  `messages[:k]` with the generation prompt and the rendering of `messages[:k+1]` (typically the
-  content and the end-of-turn token, not the role header). This is only sound when each of these
-  renderings is a token prefix of the full conversation's; templates that render earlier turns
-  differently once later turns follow (e.g. ones that drop the reasoning of earlier assistant
-  turns) fail that check and the row is rejected (see below): the fix is `loss_mask: all` or a
-  template file (`data.chat_template`) with `{% generation %}` markers.
+- otherwise from the conversation's one rendering (cluster/loss_mask.py): each assistant turn's
+  content and its end-of-turn token(s) (ChatML's `<|im_end|>` without the `\n` the template
+  writes after it, which the model never generates), located in characters from how the
+  template frames an assistant turn (learned once per template from probe conversations) and
+  mapped to tokens by the tokenizer's offsets. A template that renders a turn other than as
+  written (e.g. drops the reasoning of earlier assistant turns) gets the row rejected: the fix
+  is `loss_mask: all` or a template file (`data.chat_template`) with `{% generation %}` markers.
 
 ## Reject reasons
 
@@ -83,54 +89,85 @@ Field names below are the configured ones (`id`, `text`, `messages` by default);
 | `the model has no chat template; set data.chat_template` | a chat row, no template |
 | `chat template error: <error>` | the template raised (e.g. roles must alternate) |
 | `no assistant turn to train on` | `loss_mask: assistant`, no role `assistant` |
-| `the chat template does not render assistant turns as a prefix-stable suffix; ...` (*) | |
+| `the chat template does not render assistant turn <k> as written ...` (*) | no markers |
+| `cannot tell how the chat template renders assistant turns (...); ...` | probes failed |
+| `the tokenizer merges tokens across an edge of assistant turn <k> ...` | slow tokenizer |
 | `the chat template marks no assistant tokens` | `loss_mask: assistant`, an all-0 mask |
 | `zero tokens` | the tokenizer produced no token |
 | `<n> tokens > max_length <m>` | too long; prompts are never truncated |
 | `token id <i> is outside the model's vocabulary [0, <v>)` | a token the embedding lacks |
 
-(*) in full: `the chat template does not render assistant turns as a prefix-stable suffix; cannot
-mark assistant tokens (use loss_mask: all or a template with {% generation %} markers)`; see
-"Loss masks" above.
+(*) in full: `the chat template does not render assistant turn <k> as written (header, content,
+turn end); cannot mark its tokens (use loss_mask: all or a template with {% generation %}
+markers)`; see "Loss masks" above.
 
 The vocabulary size is `text_config.vocab_size` of the model's config.json if present, else
 `vocab_size`: a tokenizer's added tokens can lie beyond the embedding.
 
-Rows are tokenized in batches of `BATCH_ROWS` with the fast tokenizer's batch call.
+Rows are tokenized in batches of `BATCH_ROWS` with the tokenizer's batch call.
 """
 
 from __future__ import annotations
 
-import hashlib
-import json
+import functools
 import logging
-import re
-from collections.abc import Callable, Iterable, Iterator
-from dataclasses import dataclass
+from collections import deque
+from collections.abc import Iterator
+from dataclasses import dataclass, field
 from itertools import islice
 from pathlib import Path
 from typing import Any
 
 import numpy as np
-import pyarrow as pa
 
 from cluster.config import DataConfig
-from store.model_identity import sha256_file
+from cluster.plan_encode import Encoder, chat_template_text, parse_row
+from cluster.plan_sources import (
+    Part,
+    PlanError,
+    read_part,
+    resolve_source,
+    sha256_source,
+    source_hashes,
+    split_parts,
+)
+
+__all__ = [
+    "PartEnd",
+    "Plan",
+    "PlanError",
+    "PlanStream",
+    "Reject",
+    "Sample",
+    "build_plan",
+    "chat_template_text",
+    "source_hashes",
+]
 
 log = logging.getLogger("cluster.plan")
 
 BATCH_ROWS = 1000  # rows per tokenizer batch call
-_PARQUET_BATCH = 1024  # rows per Parquet record batch
 
-NO_TEMPLATE = "the model has no chat template; set data.chat_template"
-NO_ASSISTANT = "no assistant turn to train on"
-NO_MASKED_TOKENS = "the chat template marks no assistant tokens"
-PREFIX_UNSTABLE = (
-    "the chat template does not render assistant turns as a prefix-stable suffix; cannot mark "
-    "assistant tokens (use loss_mask: all or a template with {% generation %} markers)"
-)
-# The same test transformers uses to decide whether a template can return an assistant mask.
-_GENERATION_TAG = re.compile(r"\{%-?\s*generation\s*-?%\}")
+
+@dataclass(frozen=True)
+class Sample:
+    sample_id: str
+    input_ids: np.ndarray  # int32
+    loss_mask: np.ndarray  # uint8, same length
+
+
+@dataclass(frozen=True)
+class Reject:
+    sample_id: str
+    reason: str
+
+    def to_json(self) -> dict[str, str]:
+        return {"sample_id": self.sample_id, "reason": self.reason}
+
+
+@dataclass(frozen=True)
+class PartEnd:
+    """Every item of one part has been yielded: a moment to make them visible."""
 
 
 @dataclass(frozen=True)
@@ -147,467 +184,154 @@ class Plan:
         return sum(len(ids) for ids in self.input_ids)
 
 
-class PlanError(ValueError):
-    """The input as a whole is unusable (a bad path, format, template file or model)."""
-
-
 @dataclass
-class _Row:
-    """One input row after parsing: a reject reason, or text, or messages."""
+class PartResult:
+    """One part's rows in order: (row number in the part, own id or None, reason or None), and
+    the accepted rows' tokens back to back (`lengths` each), compact for Ray's object store."""
 
-    sample_id: str
-    reason: str | None = None
-    text: str | None = None
-    messages: list[dict[str, Any]] | None = None
-
-
-# (location "<file name>:<row>", the row, a reason when the row could not even be parsed)
-_RawRow = tuple[str, Any, str | None]
-_Encoded = tuple[list[int], list[int] | None]  # token ids, loss mask (None: all ones)
+    numbers: int  # row numbers the part spans (JSONL: its lines, blank ones too)
+    rows: list[tuple[int, str | None, str | None]] = field(default_factory=list)
+    lengths: list[int] = field(default_factory=list)
+    input_ids: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int32))
+    loss_mask: np.ndarray = field(default_factory=lambda: np.zeros(0, np.uint8))
 
 
-def build_plan(data: DataConfig, model_path: str | Path, trust_remote_code: bool = False) -> Plan:
-    sources = [_resolve_source(p, data.format) for p in data.paths]
-    tokenizer = _load_tokenizer(model_path, trust_remote_code)
-    template = _chat_template(data.chat_template, tokenizer)
-    encoder = _Encoder(tokenizer, template, data, _vocab_size(Path(model_path)))
-
-    source_info: list[dict[str, Any]] = []
-    rows = _parse_rows(_read_sources(sources, data, source_info), data)
-    sample_ids: list[str] = []
-    input_ids: list[np.ndarray] = []
-    loss_masks: list[np.ndarray] = []
-    rejected: list[dict[str, str]] = []
-    while chunk := list(islice(rows, BATCH_ROWS)):
-        for row, result in zip(chunk, encoder.encode(chunk), strict=True):
-            if isinstance(result, str):
-                rejected.append({"sample_id": row.sample_id, "reason": result})
-            else:
-                sample_ids.append(row.sample_id)
-                input_ids.append(result[0])
-                loss_masks.append(result[1])
-    plan = Plan(sample_ids, input_ids, loss_masks, rejected, source_info, template)
-    log.info(
-        "plan: %d samples accepted, %d rejected, %d tokens",
-        len(sample_ids),
-        len(rejected),
-        plan.total_tokens,
-    )
-    return plan
+@functools.lru_cache(maxsize=4)
+def _encoder(data_json: str, model_path: str, trust_remote_code: bool) -> Encoder:
+    """One per planning process and job: loading a tokenizer costs up to seconds."""
+    return Encoder.load(DataConfig.model_validate_json(data_json), model_path, trust_remote_code)
 
 
-# ---------------------------------------------------------------------------------------------
-# Inputs
+def plan_part(part: Part, data_json: str, model_path: str, trust_remote_code: bool) -> PartResult:
+    """Read, check and encode one part (a Ray task, or called in-process)."""
+    data = DataConfig.model_validate_json(data_json)
+    encoder = _encoder(data_json, model_path, trust_remote_code)
+    raw, numbers = read_part(part, data)
+    result = PartResult(numbers)
+    ids: list[np.ndarray] = []
+    masks: list[np.ndarray] = []
+    while chunk := list(islice(raw, BATCH_ROWS)):
+        rows = [parse_row(value, reason, data) for _, value, reason in chunk]
+        for (number, _, _), row, encoded in zip(chunk, rows, encoder.encode(rows), strict=True):
+            reason = encoded if isinstance(encoded, str) else None
+            result.rows.append((number, row.own_id, reason))
+            if reason is None:
+                ids.append(encoded[0])
+                masks.append(encoded[1])
+                result.lengths.append(len(encoded[0]))
+    if ids:
+        result.input_ids, result.loss_mask = np.concatenate(ids), np.concatenate(masks)
+    return result
 
 
-def _resolve_source(path_str: str, fmt: str) -> tuple[Path, str]:
-    path = Path(path_str).resolve()
-    if not path.exists():
-        raise PlanError(f"input path {path_str} does not exist")
-    if fmt == "auto":
-        if path.is_dir():
-            fmt = "hf"
-        elif path.suffix.lower() in (".jsonl", ".json"):
-            fmt = "jsonl"
-        elif path.suffix.lower() == ".parquet":
-            fmt = "parquet"
-        else:
-            raise PlanError(
-                f"input path {path_str}: cannot tell its format from the name "
-                "(.jsonl, .json, .parquet or a datasets directory); set data.format"
+class PlanStream:
+    """The plan as a stream of `Sample`s and `Reject`s in input order, with a `PartEnd` after
+    each part's (a consumer may wait long for the next part); after it is exhausted,
+    `sources` holds each input's record (path, format, sha256, rows) and `chat_template` is
+    set. `planners`: parts planned at once as Ray tasks spread over the cluster (0: in this
+    process, one at a time)."""
+
+    def __init__(
+        self,
+        data: DataConfig,
+        model_path: str | Path,
+        trust_remote_code: bool = False,
+        planners: int = 0,
+    ) -> None:
+        self.data, self.planners = data, planners
+        self._args = (data.model_dump_json(), str(model_path), trust_remote_code)
+        self._sources = [resolve_source(p, data.format) for p in data.paths]
+        encoder = _encoder(*self._args)  # fails here, not in a task, for a bad model/template
+        self.chat_template = encoder.template
+        self.sources: list[dict[str, Any]] = []
+        self.accepted = self.rejected = self.tokens = 0
+
+    def __iter__(self) -> Iterator[Sample | Reject | PartEnd]:
+        first_seen: dict[str, str] = {}  # sample id -> the location of its first row
+        numbers = [0] * len(self._sources)  # row numbers spanned so far, per source
+        counts = [0] * len(self._sources)  # rows read (blank JSONL lines are none)
+        for part, result in self._results():
+            name = part.path.name
+            base = numbers[part.source]
+            offsets = np.cumsum([0, *result.lengths])
+            encoded = 0  # rows of this part the encoder accepted so far
+            for number, own_id, reason in result.rows:
+                tokens = (
+                    slice(int(offsets[encoded]), int(offsets[encoded + 1]))
+                    if reason is None
+                    else None
+                )
+                encoded += reason is None
+                loc = f"{name}:{base + number}"
+                sample_id = own_id or loc
+                if sample_id in first_seen:  # an id belongs to its first row, accepted or not
+                    reason = f"duplicate sample id (first seen at {first_seen[sample_id]})"
+                else:
+                    first_seen[sample_id] = loc
+                if reason is not None or tokens is None:
+                    self.rejected += 1
+                    yield Reject(sample_id, str(reason))
+                    continue
+                self.accepted += 1
+                self.tokens += tokens.stop - tokens.start
+                yield Sample(sample_id, result.input_ids[tokens], result.loss_mask[tokens])
+            numbers[part.source] += result.numbers
+            counts[part.source] += len(result.rows)
+            yield PartEnd()
+        for src, count in zip(self._sources, counts, strict=True):
+            sha256 = sha256_source(src.path)
+            self.sources.append(
+                {"path": str(src.path), "format": src.format, "sha256": sha256, "rows": count}
             )
-    if (fmt == "hf") != path.is_dir():
-        kind = "a directory" if path.is_dir() else "a file"
-        raise PlanError(f"input path {path_str} is {kind}, which format {fmt} cannot read")
-    return path, fmt
-
-
-def _read_sources(
-    sources: list[tuple[Path, str]], data: DataConfig, info: list[dict[str, Any]]
-) -> Iterator[_RawRow]:
-    """All rows of all sources in order; appends each source's record to `info` when read."""
-    readers: dict[str, Callable[[Path, DataConfig], Iterator[_RawRow]]] = {
-        "jsonl": _read_jsonl,
-        "parquet": _read_parquet,
-        "hf": _read_hf,
-    }
-    for path, fmt in sources:
-        count = 0
-        try:
-            for item in readers[fmt](path, data):
-                count += 1
-                yield item
-            info.append(_source_record(path, fmt, count))
-        except (OSError, pa.ArrowException) as exc:  # e.g. a truncated or corrupt file
-            raise PlanError(f"cannot read {path}: {exc}") from exc
-
-
-def _source_record(path: Path, fmt: str, rows: int) -> dict[str, Any]:
-    return {"path": str(path), "format": fmt, "sha256": _sha256(path), "rows": rows}
-
-
-def source_hashes(data: DataConfig) -> list[str]:
-    """The sha256 of each input (`plan.sources`' `sha256`) without planning: what a resume
-    compares with the job that made the store."""
-    hashes = []
-    for path, _ in (_resolve_source(p, data.format) for p in data.paths):
-        try:
-            hashes.append(_sha256(path))
-        except OSError as exc:
-            raise PlanError(f"cannot read {path}: {exc}") from exc
-    return hashes
-
-
-def _read_jsonl(path: Path, data: DataConfig) -> Iterator[_RawRow]:
-    # Bytes, so that one bad line is one reject rather than a decode error for the whole file.
-    with path.open("rb") as f:
-        for line_no, raw in enumerate(f, start=1):
-            if not raw.strip():
-                continue
-            loc = f"{path.name}:{line_no}"
-            try:
-                text = raw.decode("utf-8-sig" if line_no == 1 else "utf-8")
-            except UnicodeDecodeError:
-                yield loc, None, "not valid UTF-8"
-                continue
-            try:
-                yield loc, json.loads(text), None
-            except json.JSONDecodeError as exc:
-                yield loc, None, f"malformed JSON: {exc}"
-
-
-def _wanted_columns(names: Iterable[str], data: DataConfig) -> list[str]:
-    wanted = (data.id_field, data.text_field, data.messages_field)
-    return [n for n in names if n in wanted]
-
-
-def _read_parquet(path: Path, data: DataConfig) -> Iterator[_RawRow]:
-    import pyarrow.parquet as pq
-
-    try:
-        pf = pq.ParquetFile(path)
-    except (OSError, pa.ArrowException) as exc:  # ArrowInvalid: not a Parquet file
-        raise PlanError(f"cannot read {path} as Parquet: {exc}") from exc
-    columns = _wanted_columns(pf.schema_arrow.names, data)
-    index = 0
-    for batch in pf.iter_batches(batch_size=_PARQUET_BATCH, columns=columns):
-        for row in batch.to_pylist():
-            yield f"{path.name}:{index}", row, None
-            index += 1
-
-
-def _load_hf(path: Path, data: DataConfig) -> Any:
-    import datasets
-
-    try:
-        ds = datasets.load_from_disk(str(path))
-    except (FileNotFoundError, ValueError) as exc:
-        raise PlanError(f"cannot load {path} as a saved datasets directory: {exc}") from exc
-    if isinstance(ds, datasets.DatasetDict):
-        if data.split not in ds:
-            raise PlanError(f"{path}: no split {data.split!r} (splits: {', '.join(ds)})")
-        ds = ds[data.split]
-    return ds
-
-
-def _read_hf(path: Path, data: DataConfig) -> Iterator[_RawRow]:
-    ds = _load_hf(path, data)
-    ds = ds.select_columns(_wanted_columns(ds.column_names, data))
-    index = 0
-    # Arrow batches straight from the memory-mapped table (indices mapping respected).
-    for batch in ds.with_format("arrow").iter(batch_size=BATCH_ROWS):
-        for row in batch.to_pylist():
-            yield f"{path.name}:{index}", row, None
-            index += 1
-
-
-def _sha256(path: Path) -> str:
-    """Of a file's bytes; of a dataset directory, of every file in it by relative path."""
-    return _sha256_dir(path) if path.is_dir() else sha256_file(path)
-
-
-def _sha256_dir(path: Path) -> str:
-    h = hashlib.sha256()
-    for file in sorted(p for p in path.rglob("*") if p.is_file()):
-        h.update(file.relative_to(path).as_posix().encode() + b"\0")
-        h.update(bytes.fromhex(sha256_file(file)))
-    return h.hexdigest()
-
-
-# ---------------------------------------------------------------------------------------------
-# Rows
-
-
-def _type_name(value: Any) -> str:
-    names = {type(None): "null", dict: "object", str: "string"}
-    return names.get(type(value), type(value).__name__)
-
-
-def _parse_rows(raw_rows: Iterable[_RawRow], data: DataConfig) -> Iterator[_Row]:
-    """Ids, duplicates and field checks; `first_seen` maps an id to its first row's location."""
-    first_seen: dict[str, str] = {}
-    for loc, value, reason in raw_rows:
-        if reason is None and not isinstance(value, dict):
-            reason = f"row must be a JSON object, got {_type_name(value)}"
-        sample_id = loc
-        if reason is None:
-            sample_id, reason = _sample_id(value, data.id_field, loc)
-        if sample_id in first_seen:
-            yield _Row(sample_id, f"duplicate sample id (first seen at {first_seen[sample_id]})")
-            continue
-        first_seen[sample_id] = loc
-        yield _Row(sample_id, reason) if reason else _parse_content(sample_id, value, data)
-
-
-def _sample_id(row: dict[str, Any], id_field: str, loc: str) -> tuple[str, str | None]:
-    value = row.get(id_field)
-    if value is None:
-        return loc, None
-    if isinstance(value, bool) or not isinstance(value, str | int):
-        return loc, f"{id_field} must be a string or an integer, got {_type_name(value)}"
-    if value == "":
-        return loc, f"{id_field} is an empty string"
-    return str(value), None
-
-
-def _parse_content(sample_id: str, row: dict[str, Any], data: DataConfig) -> _Row:
-    tf, mf = data.text_field, data.messages_field
-    text, messages = row.get(tf), row.get(mf)
-    if text is not None and messages is not None:
-        return _Row(sample_id, f"row has both {tf} and {mf}")
-    if text is None and messages is None:
-        return _Row(sample_id, f"row has neither {tf} nor {mf}")
-    if text is not None:
-        if not isinstance(text, str):
-            return _Row(sample_id, f"{tf} must be a string, got {_type_name(text)}")
-        if not text or text.isspace():
-            return _Row(sample_id, "text is only whitespace" if text else "empty text")
-        return _Row(sample_id, text=text)
-    reason = _check_messages(messages, mf, data.roles)
-    if reason:
-        return _Row(sample_id, reason)
-    return _Row(
-        sample_id, messages=[{k: v for k, v in m.items() if v is not None} for m in messages]
-    )
-
-
-def _check_messages(messages: Any, mf: str, roles: list[str]) -> str | None:
-    if not isinstance(messages, list):
-        return f"{mf} must be a list, got {_type_name(messages)}"
-    if not messages:
-        return "empty messages"
-    for i, message in enumerate(messages):
-        if not isinstance(message, dict):
-            return f"{mf}[{i}] must be an object, got {_type_name(message)}"
-        for key in ("role", "content"):
-            if not isinstance(message.get(key), str):
-                return f"{mf}[{i}].{key} must be a string, got {_type_name(message.get(key))}"
-        if message["role"] not in roles:
-            return f"{mf}[{i}].role {message['role']!r} is not one of data.roles {roles}"
-    return None
-
-
-# ---------------------------------------------------------------------------------------------
-# Model
-
-
-def _load_tokenizer(model_path: str | Path, trust_remote_code: bool = False) -> Any:
-    from transformers import AutoTokenizer
-
-    try:
-        return AutoTokenizer.from_pretrained(str(model_path), trust_remote_code=trust_remote_code)
-    except (OSError, ValueError) as exc:
-        raise PlanError(f"cannot load the tokenizer of {model_path}: {exc}") from exc
-
-
-def _vocab_size(model_path: Path) -> int:
-    try:
-        config = json.loads((model_path / "config.json").read_text())
-    except (OSError, ValueError) as exc:
-        raise PlanError(f"cannot read {model_path / 'config.json'}: {exc}") from exc
-    text_config = config.get("text_config") or {}
-    size = text_config.get("vocab_size", config.get("vocab_size"))
-    if not isinstance(size, int) or size < 1:
-        raise PlanError(f"{model_path / 'config.json'} has no usable vocab_size")
-    return size
-
-
-def chat_template_text(
-    data: DataConfig, model_path: str | Path, trust_remote_code: bool = False
-) -> str | None:
-    """`plan.chat_template` without planning: what a resume compares with the store's."""
-    if data.chat_template != "model":
-        return _chat_template(data.chat_template, None)
-    return _chat_template("model", _load_tokenizer(model_path, trust_remote_code))
-
-
-def _chat_template(setting: str, tokenizer: Any) -> str | None:
-    if setting != "model":
-        try:
-            return Path(setting).read_text()
-        except OSError as exc:
-            raise PlanError(f"cannot read the chat template file {setting}: {exc}") from exc
-    if tokenizer.chat_template is None:
-        return None
-    try:  # a dict of named templates resolves to its "default" one, as transformers does
-        return tokenizer.get_chat_template()
-    except ValueError:
-        return None
-
-
-# ---------------------------------------------------------------------------------------------
-# Tokenization and checks
-
-
-class _Encoder:
-    """Tokenizes a chunk of parsed rows; each result is (ids, mask) arrays or a reject reason."""
-
-    def __init__(self, tokenizer: Any, template: str | None, data: DataConfig, vocab: int):
-        self.tok = tokenizer
-        self.template = template
-        self.assistant_only = data.loss_mask == "assistant"
-        self.max_length = data.max_length
-        self.vocab = vocab
-        # char_to_token, which the transformers mask relies on, needs a fast tokenizer.
-        self.use_markers = bool(
-            template and _GENERATION_TAG.search(template) and getattr(tokenizer, "is_fast", False)
+        log.info(
+            "plan: %d samples accepted, %d rejected, %d tokens",
+            self.accepted,
+            self.rejected,
+            self.tokens,
         )
 
-    def encode(self, rows: list[_Row]) -> list[tuple[np.ndarray, np.ndarray] | str]:
-        results: list[_Encoded | str] = [r.reason or "" for r in rows]  # "": filled in below
-        texts = [i for i, r in enumerate(rows) if r.text is not None]
-        chats = [i for i, r in enumerate(rows) if r.messages is not None]
-        if texts:
-            ids = self.tok([rows[i].text for i in texts], add_special_tokens=True)["input_ids"]
-            for i, row_ids in zip(texts, ids, strict=True):
-                results[i] = (row_ids, None)
-        for i, result in zip(
-            chats, self._encode_chats([rows[i].messages for i in chats]), strict=True
-        ):
-            results[i] = result
-        return [r if isinstance(r, str) else self._check(*r) for r in results]
+    def _results(self) -> Iterator[tuple[Part, PartResult]]:
+        """Each part's result, in part order, with at most `planners` parts in flight."""
+        parts = split_parts(self._sources, self.data)
+        if self.planners <= 0:
+            for part in parts:
+                yield part, plan_part(part, *self._args)
+            return
+        import ray
 
-    def _check(self, ids: list[int], mask: list[int] | None) -> tuple[np.ndarray, np.ndarray] | str:
-        if not ids:
-            return "zero tokens"
-        if len(ids) > self.max_length:
-            return f"{len(ids)} tokens > max_length {self.max_length}"
-        arr = np.asarray(ids, dtype=np.int64)
-        bad = (arr < 0) | (arr >= self.vocab)
-        if bad.any():
-            return f"token id {arr[bad][0]} is outside the model's vocabulary [0, {self.vocab})"
-        if mask is None:
-            return arr.astype(np.int32), np.ones(len(arr), dtype=np.uint8)
-        mask_arr = np.asarray(mask, dtype=np.uint8)
-        if not mask_arr.any():
-            return NO_MASKED_TOKENS
-        return arr.astype(np.int32), mask_arr
-
-    def _encode_chats(self, convs: list[list[dict[str, Any]]]) -> list[_Encoded | str]:
-        if self.template is None:
-            return [NO_TEMPLATE] * len(convs)
-        if not self.assistant_only:
-            return self._encode_whole(convs)
-        results: list[_Encoded | str] = [NO_ASSISTANT] * len(convs)
-        todo = [i for i, c in enumerate(convs) if any(m["role"] == "assistant" for m in c)]
-        encode = self._encode_marked if self.use_markers else self._encode_by_prefix
-        for i, result in zip(todo, encode([convs[i] for i in todo]), strict=True):
-            results[i] = result
-        return results
-
-    def _render(self, messages: list[dict[str, Any]], generation_prompt: bool) -> str:
-        if not messages:
-            # apply_chat_template refuses an empty conversation, yet the generation prompt of one
-            # is what precedes an opening assistant turn; render it exactly as it would.
-            from transformers.utils.chat_template_utils import render_jinja_template
-
-            rendered, _ = render_jinja_template(
-                conversations=[messages],
-                chat_template=self.template,
-                add_generation_prompt=generation_prompt,
-                **self.tok.special_tokens_map,
-            )
-            return rendered[0]
-        return self.tok.apply_chat_template(
-            messages,
-            chat_template=self.template,
-            tokenize=False,
-            add_generation_prompt=generation_prompt,
-        )
-
-    def _tokenize(self, texts: list[str]) -> list[list[int]]:
-        # apply_chat_template(tokenize=True) also adds no special tokens: the template writes them.
-        return self.tok(texts, add_special_tokens=False)["input_ids"] if texts else []
-
-    def _encode_whole(self, convs: list[list[dict[str, Any]]]) -> list[_Encoded | str]:
-        rendered: list[str | None] = []
-        results: list[_Encoded | str] = []
-        for conv in convs:
-            try:
-                rendered.append(self._render(conv, False))
-                results.append("")
-            except Exception as exc:  # a template is user code; its errors are the row's
-                rendered.append(None)
-                results.append(f"chat template error: {exc}")
-        ok = [i for i, text in enumerate(rendered) if text is not None]
-        for i, ids in zip(ok, self._tokenize([rendered[i] for i in ok]), strict=True):
-            results[i] = (ids, None)
-        return results
-
-    def _encode_marked(self, convs: list[list[dict[str, Any]]]) -> list[_Encoded | str]:
-        try:
-            return list(self._apply_marked(convs))
-        except Exception:  # one row's template error fails the batch: find it row by row
-            pass
-        results: list[_Encoded | str] = []
-        for conv in convs:
-            try:
-                results.extend(self._apply_marked([conv]))
-            except Exception as exc:  # a template is user code; its errors are the row's
-                results.append(f"chat template error: {exc}")
-        return results
-
-    def _apply_marked(self, convs: list[list[dict[str, Any]]]) -> list[_Encoded]:
-        out = self.tok.apply_chat_template(
-            convs,
-            chat_template=self.template,
-            tokenize=True,
-            return_dict=True,
-            return_assistant_tokens_mask=True,
-            add_generation_prompt=False,
-        )
-        return list(zip(out["input_ids"], out["assistant_masks"], strict=True))
-
-    def _encode_by_prefix(self, convs: list[list[dict[str, Any]]]) -> list[_Encoded | str]:
-        # Per conversation: the full rendering, then (before, after) per assistant turn.
-        renders: list[list[str] | str] = []
-        for conv in convs:
-            try:
-                texts = [self._render(conv, False)]
-                for k, message in enumerate(conv):
-                    if message["role"] == "assistant":
-                        texts += [self._render(conv[:k], True), self._render(conv[: k + 1], False)]
-                renders.append(texts)
-            except Exception as exc:  # a template is user code; its errors are the row's
-                renders.append(f"chat template error: {exc}")
-        flat = [t for r in renders if not isinstance(r, str) for t in r]
-        tokens = iter(self._tokenize(flat))
-        results: list[_Encoded | str] = []
-        for r in renders:
-            if isinstance(r, str):
-                results.append(r)
-            else:
-                results.append(_prefix_mask([next(tokens) for _ in r]))
-        return results
+        task = ray.remote(num_cpus=0, scheduling_strategy="SPREAD")(plan_part)
+        window: deque[tuple[Part, Any]] = deque()
+        for part in parts:
+            window.append((part, task.remote(part, *self._args)))
+            if len(window) >= self.planners:
+                yield _get(*window.popleft())
+        while window:
+            yield _get(*window.popleft())
 
 
-def _prefix_mask(tokenized: list[list[int]]) -> _Encoded | str:
-    """tokenized: the full conversation, then (before, after) token ids per assistant turn."""
-    full = tokenized[0]
-    mask = [0] * len(full)
-    for before, after in zip(tokenized[1::2], tokenized[2::2], strict=True):
-        stable = full[: len(before)] == before and full[: len(after)] == after
-        if not stable or len(after) < len(before):
-            return PREFIX_UNSTABLE
-        mask[len(before) : len(after)] = [1] * (len(after) - len(before))
-    return full, mask
+def _get(part: Part, ref: Any) -> tuple[Part, PartResult]:
+    """A part's result; a PlanError raised in the task is raised here as itself."""
+    import ray
+
+    try:
+        return part, ray.get(ref)
+    except ray.exceptions.RayTaskError as exc:
+        if isinstance(exc.cause, PlanError):
+            raise exc.cause from None
+        raise
+
+
+def build_plan(
+    data: DataConfig, model_path: str | Path, trust_remote_code: bool = False, planners: int = 0
+) -> Plan:
+    """The whole plan in memory (tests, tools, small jobs; the driver streams instead)."""
+    stream = PlanStream(data, model_path, trust_remote_code, planners)
+    ids, input_ids, masks, rejected = [], [], [], []
+    for item in stream:
+        if isinstance(item, Reject):
+            rejected.append(item.to_json())
+        elif isinstance(item, Sample):
+            ids.append(item.sample_id)
+            input_ids.append(item.input_ids)
+            masks.append(item.loss_mask)
+    return Plan(ids, input_ids, masks, rejected, stream.sources, stream.chat_template)

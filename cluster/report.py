@@ -37,6 +37,7 @@ class ProgressMeter:
     done_tokens: int = 0
     started: float = field(default_factory=time.monotonic)
     working_since: float | None = None
+    planning: bool = False  # the totals still grow as shards are planned
 
     def line(
         self,
@@ -58,10 +59,14 @@ class ProgressMeter:
         gbps = sum(s["bytes_written"] for s in completed) / working / 1e9 if working > 0 else 0.0
         remaining = self.total_tokens - self.done_tokens - tokens
         eta = _duration(remaining / rate) if rate > 0 else "?"
-        fraction = min(1.0, samples / self.total_samples) if self.total_samples else 1.0
+        if self.total_samples:
+            fraction = min(1.0, samples / self.total_samples)
+        else:  # nothing planned yet, or nothing to do
+            fraction = 0.0 if self.planning else 1.0
         phases = ", ".join(f"{n} {phase}" for phase, n in sorted(workers.items()))
         return (
             f"{bar(fraction)} {fraction:4.0%} samples {samples}/{self.total_samples}"
+            f"{' (planning)' if self.planning else ''}"
             f"{f' ({failed} failed)' if failed else ''} | {rate:,.0f} tok/s | {gbps:.3f} GB/s | "
             f"workers: {phases or 'none'} | elapsed {_duration(now - self.started)} | ETA {eta}"
         )
@@ -128,6 +133,7 @@ def build_report(store: Store, run: dict[str, Any]) -> dict[str, Any]:
             "tokens_per_s": round(tokens_this_run / seconds, 1) if seconds else None,
             "gb_per_s": round(bytes_this_run / seconds / 1e9, 4) if seconds else None,
             "workers_lost": run.get("workers_lost", []),
+            "planning": run.get("planning"),  # None: the plan was complete before this run
         },
         "workers": dict(workers),
         "failed_samples": failed,

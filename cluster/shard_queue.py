@@ -1,38 +1,73 @@
 """The shared work queue: shards are leased, not popped, so no shard is lost with its worker.
 
-A worker `acquire`s a lease, `heartbeat`s while it works, brackets every store write with
-`begin_write`/`end_write`, `claim`s the shard when its rows are in (the first claim wins) and
-`complete`s it once its commit marker is written. A lease that is not renewed in time expires
-and its shard goes back to the queue; so does the shard of a worker the driver reports dead
-(`release_worker`) or that gives it back (`release`). A shard lost to failures `shard_attempts`
-times is given up (`failed`), so one poisonous shard cannot keep the job alive forever; not
-while a lease of it is still live (a tail duplicate may yet complete it), but once none is.
+A worker `acquire`s a lease, `heartbeat`s while it works, `claim`s the shard when its rows are in
+(the first claim wins) and `complete`s it once its commit marker is written: a handful of calls
+per shard plus one heartbeat per `heartbeat_s`, whatever the shard's size; nothing per chunk.
+A lease not renewed in time expires and its shard goes back to the queue; so does the shard of a
+worker the driver reports dead (`release_worker`) or that gives it back (`release`). A shard lost
+to failures `shard_attempts` times is given up (`failed`); not while a lease of it is still live
+(a tail duplicate may yet complete it), but once none is. Shards may be planned while the job
+runs: `more_coming=True`, then `add` them and `close`; the queue is `finished` only once closed.
 
-Exactly one lease's rows become visible. The store cannot check leases itself, so the queue
-does it for the writers, as a lock manager with fencing: `begin_write` refuses a lease that is
-not current, and a claimant waits (`fenced`) until no other lease of its shard is mid-write.
-A lease that may overlap another live writer of its shard is `deferred`: it keeps its rows
-aside and writes them only after its claim, so rows of a loser never mix with the winner's.
-That is the case for the tail re-issue: once nothing is pending, an idle worker gets a deferred
-duplicate of the shard that has been leased the longest, when that exceeds `straggler_factor`
-times the median shard time (and `straggler_min_s`). Whichever copy claims first commits.
+Exactly one lease's rows become visible, though the store cannot check leases: stale holders
+are fenced by time. A holder starts a store write only before its local deadline, (when it
+*asked* for its last successful renewal) + lease - margin on its own monotonic clock
+(actors/lease_keeper.py), and every write ends within W < margin (the store client's timeouts,
+checked by the job config). The queue keeps each lease's *write window* open until its expiry +
+margin on the queue's clock (expiry: the queue's receipt of the last renewal + lease), or until
+the holder says it writes nothing more (`stopped`, sent only once all its writes returned) or
+completes. A lease is issued `deferred` when another lease of its shard has an open window, and a
+tail duplicate always: a deferred holder keeps its rows in a spill directory and writes only after
+its claim. `claim` answers lost, or won with the seconds until every other lease's window is
+closed; the claimant writes only once a claim says 0.
 
-Runs as one Ray actor (`ShardQueueActor`, num_cpus=0); the class itself is plain Python.
+Why no stale write lands in a committed shard. Assumed: each monotonic clock runs at real rate
+within a factor 1 +- r (no synchronised clocks); a write started at real time t has landed, or
+never will, by t + W; r * (2 lease + margin) < 2 margin - W (r ~ 1e-4: seconds of slack).
+1. A lease's writes land inside its window. Its holder asked for the renewal at real time s; the
+   queue got it at s' >= s, so the window ends no earlier than s + (lease + margin) / (1 + r). The
+   holder starts writes before s + (lease - margin) / (1 - r), which land by then + W: earlier.
+   A window closed early by `stopped` or `complete` follows every write of its lease (causally).
+2. While a lease C is live its window is open; once C claims S, every other lease of S is
+   revoked and no new one is issued while C is live (S is neither pending nor a straggler
+   candidate); after C completes S is never issued again.
+3. Let C write S's commit marker. C's claim said 0 at queue time t0, so every other lease's
+   window was closed by t0 and (1) its writes landed before t0, before any write C made after its
+   claim. A non-deferred C also wrote before t0, from its issue on, but (2) no other lease wrote
+   meanwhile: leases issued earlier had closed windows when C was issued (or it was deferred),
+   later ones are deferred and their claims cannot say 0 while C's window is open. A revoked
+   loser learns it at its next heartbeat and stops; until then its deadline still lets it write,
+   which is why the winner waits for its window (or its `stopped`), never for a per-chunk check.
+   A lease issued after C lost S writes nothing before C's window closed, and starts by clearing
+   the commit marker, so S is committed again only by it, with its own rows.
+Not covered: a write that outlasts W (a process paused between its deadline check and its
+request for longer than the slack; a filesystem write with no timeout); the queue's margin
+doubles the slack for those. `release_worker` keeps the dead worker's windows open (a node
+declared dead may be partitioned and still writing until its deadline): its shards go back at
+once, deferred, and their claims wait at most lease + margin.
+
+At the tail, once nothing is pending, an idle worker gets a deferred duplicate of the shard
+leased the longest, when that exceeds `straggler_factor` times the median shard time (and
+`straggler_min_s`). Whichever copy claims first commits.
+
+Runs as one Ray actor (`ShardQueueActor`, num_cpus=0); the class itself is plain Python. Every
+call costs O(1) amortised, but `release_worker` and an idle tail `acquire` (O(leased shards)).
 """
 
 from __future__ import annotations
 
+import heapq
 import statistics
 import time
 import uuid
-from collections import Counter, deque
+from collections import deque
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
 import ray
 
-from actors.lease_keeper import Lease
+from actors.lease_keeper import Claim, Lease
 
 
 @dataclass
@@ -51,35 +86,68 @@ class QueueStatus:
     total: int
     summaries: dict[int, dict[str, Any]] = field(default_factory=dict)
     failures: dict[int, list[str]] = field(default_factory=dict)  # shard -> reasons, in order
+    closed: bool = True  # no more shards will be added
 
     @property
     def finished(self) -> bool:
-        return self.completed + self.failed == self.total
+        return self.closed and self.completed + self.failed == self.total
 
 
 class ShardQueue:
     def __init__(
         self,
-        shards: Iterable[int],
-        lease_seconds: float = 120.0,
+        shards: Iterable[int] = (),
+        lease_seconds: float = 300.0,
         shard_attempts: int = 3,
         straggler_factor: float = 2.0,
         straggler_min_seconds: float = 60.0,
+        *,
+        margin_seconds: float | None = None,
+        more_coming: bool = False,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
-        self._pending: deque[int] = deque(shards)
-        self._total = len(self._pending)
+        """`margin_seconds`: None is half the lease (the job config passes one checked against
+        the store's write timeouts)."""
+        margin = lease_seconds / 2 if margin_seconds is None else margin_seconds
+        if not 0 < margin < lease_seconds:
+            raise ValueError(f"need 0 < margin ({margin}) < lease ({lease_seconds})")
+        self._pending: deque[int] = deque()
+        self._queued: set[int] = set()  # the shards in _pending
+        self._known: set[int] = set()  # every shard ever added
+        self._total, self._closed = 0, False
         self._held: dict[str, _Held] = {}  # lease_id -> live lease
+        self._holders: dict[int, set[str]] = {}  # shard -> its live leases (no empty sets)
+        self._expiries: list[tuple[float, str]] = []  # heap; entries of renewed leases are stale
+        self._windows: dict[int, dict[str, float]] = {}  # shard -> lease -> its window's end
         self._claims: dict[int, str] = {}  # shard -> the lease that won its commit
-        self._open: Counter[str] = Counter()  # lease_id -> writes begun, not ended
-        self._issued: dict[str, Lease] = {}  # every lease ever issued, by id
         self._completed: dict[int, dict[str, Any]] = {}  # shard -> summary
         self._durations: list[float] = []  # lease to completion, completed shards
         self._failures: dict[int, list[str]] = {}
         self._failed: set[int] = set()
-        self._lease_seconds, self._attempts = lease_seconds, shard_attempts
+        self._lease_seconds, self._margin, self._attempts = lease_seconds, margin, shard_attempts
         self._straggler_factor, self._straggler_min = straggler_factor, straggler_min_seconds
         self._clock = clock
+        self.add(shards)
+        self._closed = not more_coming
+
+    # -- planning -----------------------------------------------------------------------------
+
+    def add(self, shards: Iterable[int]) -> None:
+        """Planned shards, queued after those already pending."""
+        if self._closed:
+            raise ValueError("the queue is closed: no more shards can be added")
+        shards = list(shards)
+        known = self._known.intersection(shards)
+        if known or len(set(shards)) != len(shards):
+            raise ValueError(f"shards added twice: {sorted(known) or shards}")
+        self._known.update(shards)
+        self._queued.update(shards)
+        self._pending.extend(shards)
+        self._total += len(shards)
+
+    def close(self) -> None:
+        """No more shards will be added: the queue can finish."""
+        self._closed = True
 
     # -- leases -------------------------------------------------------------------------------
 
@@ -89,9 +157,9 @@ class ShardQueue:
         self._expire()
         if self._pending:
             shard = self._pending.popleft()
-            # Someone else may still be mid-write on it (an expired holder): defer.
-            deferred = any(self._issued[lid].shard == shard for lid in self._open)
-            return self._issue(shard, worker, deferred)
+            self._queued.discard(shard)
+            # A former holder may still be writing it (within its window): defer.
+            return self._issue(shard, worker, deferred=bool(self._open_windows(shard)))
         straggler = self._straggler(worker)
         return None if straggler is None else self._issue(straggler, worker, deferred=True)
 
@@ -102,40 +170,31 @@ class ShardQueue:
         held = self._held.get(lease_id)
         if held is None:
             return False
-        held.expires = self._clock() + self._lease_seconds
+        self._renew(held)
         return True
 
-    def begin_write(self, lease_id: str) -> bool:
-        """May the holder write to its shard's part of the store now? Counted until end_write."""
+    def claim(self, lease_id: str) -> Claim:
+        """The first claim wins the right to commit the shard and revokes every other lease of
+        it (their holders learn it at their next heartbeat). Lost if this lease cannot commit
+        (gone, or another claimed first); won, with the seconds until no other lease of the
+        shard can still write: the winner writes once a claim (asked again) says 0."""
         if not self.heartbeat(lease_id):
-            return False
-        self._open[lease_id] += 1
-        return True
-
-    def end_write(self, lease_id: str) -> None:
-        if self._open[lease_id] > 1:
-            self._open[lease_id] -= 1
-        else:  # no zero entries: acquire and fenced scan the open writes on every call
-            self._open.pop(lease_id, None)
-
-    def claim(self, lease_id: str) -> bool:
-        """First claim wins the right to commit the shard; every other lease of it is revoked
-        (their holders learn it at their next heartbeat or write)."""
-        if not self.heartbeat(lease_id):
-            return False
+            return Claim(False)
         shard = self._held[lease_id].lease.shard
         if self._claims.get(shard, lease_id) != lease_id or shard in self._completed:
-            return False
+            return Claim(False)
         self._claims[shard] = lease_id
-        for other, held in list(self._held.items()):
-            if held.lease.shard == shard and other != lease_id:
-                del self._held[other]
-        return True
+        for other in self._holders[shard] - {lease_id}:
+            self._drop(other)  # revoked; its window stays open until it stops or ends
+        ends = self._open_windows(shard, but=lease_id)
+        return Claim(True, max(ends) - self._clock() if ends else 0.0)
 
-    def fenced(self, lease_id: str) -> bool:
-        """True once no other lease of this lease's shard has a write in progress."""
-        shard = self._issued[lease_id].shard if lease_id in self._issued else None
-        return not any(self._issued[lid].shard == shard and lid != lease_id for lid in self._open)
+    def stopped(self, lease_id: str) -> None:
+        """The holder will write nothing more (every write it began has returned): close its
+        window now rather than at expiry + margin."""
+        for windows in self._windows.values():
+            if windows.pop(lease_id, None) is not None:
+                return
 
     def complete(self, lease_id: str, summary: dict[str, Any]) -> bool:
         """Mark the shard done; only the holder of its claim may, and only once."""
@@ -143,35 +202,34 @@ class ShardQueue:
         held = self._held.get(lease_id)
         if held is None or self._claims.get(held.lease.shard) != lease_id:
             return False
-        del self._held[lease_id]
-        self._completed[held.lease.shard] = summary
+        shard = held.lease.shard
+        self._drop(lease_id)
+        self._windows.pop(shard, None)  # never issued again: no window matters any more
+        self._completed[shard] = summary
         self._durations.append(self._clock() - held.since)
         return True
 
     def release(self, lease_id: str, error: str | None = None) -> None:
-        """The holder gives its shard back; `error` counts against the shard's attempts."""
-        held = self._held.pop(lease_id, None)
+        """The holder gives its shard back; `error` counts against the shard's attempts. Its
+        window stays open (a write of it that failed may still land) unless it says `stopped`."""
+        held = self._drop(lease_id)
         if held is not None:
             self._requeue(held.lease.shard, error and f"{held.lease.worker}: {error}")
 
     def revoke(self, shard: int) -> None:
         """Take a shard away from whoever holds it and queue it again."""
-        for lease_id, held in list(self._held.items()):
-            if held.lease.shard == shard:
-                del self._held[lease_id]
-                self._requeue(shard)
+        for lease_id in list(self._holders.get(shard, ())):
+            self._drop(lease_id)
+            self._requeue(shard)
 
     def release_worker(self, worker: str, error: str = "worker died") -> list[int]:
-        """Queue again every shard a dead worker holds, and forget its open writes, those of
-        leases that expired mid-write included (a dead process writes nothing more); returns
-        the shards."""
-        for lease_id in [lid for lid in self._open if self._issued[lid].worker == worker]:
-            del self._open[lease_id]
-        mine = {lid: h for lid, h in self._held.items() if h.lease.worker == worker}
-        for lease_id, held in mine.items():
-            del self._held[lease_id]
+        """Queue again every shard a dead worker holds; returns them. Their windows stay open
+        until they end: see the module doc."""
+        mine = [h for h in self._held.values() if h.lease.worker == worker]
+        for held in mine:
+            self._drop(held.lease.lease_id)
             self._requeue(held.lease.shard, f"{worker}: {error}")
-        return sorted(h.lease.shard for h in mine.values())
+        return sorted(h.lease.shard for h in mine)
 
     # -- state ----------------------------------------------------------------------------------
 
@@ -179,25 +237,58 @@ class ShardQueue:
         self._expire()
         return QueueStatus(
             pending=len(self._pending),
-            leased=len({h.lease.shard for h in self._held.values()}),
+            leased=len(self._holders),
             completed=len(self._completed),
             failed=len(self._failed),
             total=self._total,
             summaries=dict(self._completed),
             failures={k: list(v) for k, v in self._failures.items()},
+            closed=self._closed,
         )
 
     def finished(self) -> bool:
-        return self.status().finished
+        """Cheaper than status().finished (no summaries copied): idle workers poll it."""
+        self._expire()
+        return self._closed and len(self._completed) + len(self._failed) == self._total
 
     # -- internals ------------------------------------------------------------------------------
 
     def _issue(self, shard: int, worker: str, deferred: bool) -> Lease:
-        lease = Lease(uuid.uuid4().hex, shard, worker, deferred)
-        now = self._clock()
-        self._held[lease.lease_id] = _Held(lease, now, now + self._lease_seconds)
-        self._issued[lease.lease_id] = lease
+        valid = self._lease_seconds - self._margin
+        lease = Lease(uuid.uuid4().hex, shard, worker, valid, deferred)
+        held = _Held(lease, self._clock(), 0.0)
+        self._held[lease.lease_id] = held
+        self._holders.setdefault(shard, set()).add(lease.lease_id)
+        self._renew(held)
         return lease
+
+    def _renew(self, held: _Held) -> None:
+        held.expires = self._clock() + self._lease_seconds
+        heapq.heappush(self._expiries, (held.expires, held.lease.lease_id))
+        windows = self._windows.setdefault(held.lease.shard, {})
+        windows[held.lease.lease_id] = held.expires + self._margin
+
+    def _drop(self, lease_id: str) -> _Held | None:
+        """No longer live (its window is left as it is)."""
+        held = self._held.pop(lease_id, None)
+        if held is not None:
+            holders = self._holders[held.lease.shard]
+            holders.discard(lease_id)
+            if not holders:
+                del self._holders[held.lease.shard]
+        return held
+
+    def _open_windows(self, shard: int, but: str | None = None) -> list[float]:
+        """The ends of the shard's write windows still open, other than `but`'s."""
+        windows = self._windows.get(shard)
+        if not windows:
+            return []
+        now = self._clock()
+        for lease_id in [lid for lid, end in windows.items() if end <= now]:
+            del windows[lease_id]
+        if not windows:
+            del self._windows[shard]
+        return [end for lid, end in windows.items() if lid != but]
 
     def _straggler(self, worker: str) -> int | None:
         """The longest-leased shard worth a duplicate for `worker`, if any."""
@@ -206,25 +297,23 @@ class ShardQueue:
         threshold = max(
             self._straggler_min, self._straggler_factor * statistics.median(self._durations)
         )
-        by_shard: dict[int, list[_Held]] = {}
-        for held in self._held.values():
-            by_shard.setdefault(held.lease.shard, []).append(held)
         now = self._clock()
-        candidates = [
-            (min(h.since for h in helds), shard)
-            for shard, helds in by_shard.items()
-            if len(helds) == 1  # one duplicate per shard at most
-            and helds[0].lease.worker != worker
-            and shard not in self._claims
-            and now - helds[0].since > threshold
-        ]
+        candidates = []
+        for shard, leases in self._holders.items():
+            if len(leases) != 1 or shard in self._claims:  # one duplicate per shard at most
+                continue
+            held = self._held[next(iter(leases))]
+            if held.lease.worker != worker and now - held.since > threshold:
+                candidates.append((held.since, shard))
         return min(candidates)[1] if candidates else None
 
     def _expire(self) -> None:
         now = self._clock()
-        for lease_id, held in list(self._held.items()):
-            if held.expires < now:
-                del self._held[lease_id]
+        while self._expiries and self._expiries[0][0] < now:
+            expires, lease_id = heapq.heappop(self._expiries)
+            held = self._held.get(lease_id)
+            if held is not None and held.expires == expires:  # not renewed since
+                self._drop(lease_id)
                 self._requeue(held.lease.shard, f"{held.lease.worker}: lease expired")
 
     def _requeue(self, shard: int, error: str | None = None) -> None:
@@ -232,13 +321,14 @@ class ShardQueue:
             self._claims.pop(shard, None)  # the claimant is gone: the next holder may claim
         if error is not None:
             self._failures.setdefault(shard, []).append(error)
-        held = any(h.lease.shard == shard for h in self._held.values())
+        held = shard in self._holders
         attempts_used = len(self._failures.get(shard, ())) >= self._attempts
         if attempts_used and not held and shard not in self._completed:
             self._failed.add(shard)  # not while a live lease (a tail duplicate) may complete it
         done = shard in self._completed or shard in self._failed
-        if not done and not held and shard not in self._pending:
+        if not done and not held and shard not in self._queued:
             self._pending.appendleft(shard)  # retried first: the job's tail is what we wait on
+            self._queued.add(shard)
 
 
 ShardQueueActor = ray.remote(num_cpus=0)(ShardQueue)

@@ -12,6 +12,13 @@ Two hooks, both installed through SGLang's HookRegistry:
 
 This hook runs eagerly after every forward, CUDA-graph replays included, with outputs
 already trimmed of graph padding (unlike a hook on the model's own forward).
+
+Which process writes: the first rank of each attention-TP group (hidden states are replicated
+across it). Without data parallelism that is TP rank 0, the one scheduler that sees all
+requests. Under `--dp-size N` (N replicas) or DP attention (`--attn-dp-size N`) every DP rank
+is a scheduler with requests of its own and a counter of its own, so each publishes into
+`<dump_dir>/dp<rank>/` (names can never collide, and each writer keeps its private files to
+itself) and says its rank in the dump's meta and in the response.
 """
 
 from __future__ import annotations
@@ -19,6 +26,7 @@ from __future__ import annotations
 import itertools
 import logging
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -52,9 +60,10 @@ class _OpenDump:
 class CaptureSession:
     """The capture state of one server (one scheduler process, TP rank 0)."""
 
-    def __init__(self, settings: CaptureSettings) -> None:
+    def __init__(self, settings: CaptureSettings, rank: CaptureRank) -> None:
         assert settings.dump_dir is not None
         self.settings = settings
+        self.rank = rank
         self.writer: DumpWriter | None = None  # made at the first capture, sized by its layout
         self._counter = itertools.count()
         self._open: dict[str, _OpenDump] = {}
@@ -63,7 +72,7 @@ class CaptureSession:
     # -- hooks -------------------------------------------------------------------------
 
     def on_forward(self, output: Any, runner: Any, forward_batch: Any) -> None:
-        if getattr(runner, "is_draft_worker", False) or not _is_tp_rank0():
+        if getattr(runner, "is_draft_worker", False) or not self.rank.writes:
             return
         if not forward_batch.forward_mode.is_extend_without_speculative():
             return
@@ -127,7 +136,7 @@ class CaptureSession:
             return None
         dump.pending.publish()
         del self._open[rid]
-        return {"path": str(dump.pending.path), "index": dump.index}
+        return {"path": str(dump.pending.path), "index": dump.index, "dp_rank": self.rank.dp_rank}
 
     def _open_dump(self, rid: str, prompt_len: int, layout: dict[str, Any]) -> _OpenDump:
         if self.writer is None:
@@ -144,7 +153,8 @@ class CaptureSession:
             "format": DUMP_FORMAT,
             "version": DUMP_FORMAT_VERSION,
             "rid": rid,
-            "index": index,
+            "index": index,  # this DP rank's counter
+            "dp_rank": self.rank.dp_rank,
             "num_tokens": prompt_len,
             **{k: v for k, v in layout.items() if k not in ("torch_dtype", "itemsize")},
         }
@@ -164,7 +174,9 @@ class CaptureSession:
             row = 16 + (layout["num_aux"] + 1) * layout["hidden_size"] * layout["itemsize"]
             region_bytes = self.settings.max_tokens * row
         return DumpWriter(
-            self.settings.dump_dir, self.settings.max_pending_bytes, region_bytes=region_bytes
+            self.rank.dump_root(self.settings.dump_dir),
+            self.settings.max_pending_bytes,
+            region_bytes=region_bytes,
         )
 
     def _discard(self, rid: str) -> None:
@@ -209,10 +221,30 @@ def _layers_to_capture(model: Any) -> list[int]:
     raise RuntimeError(f"cannot find the capture layers of {type(model).__name__}")
 
 
-def _is_tp_rank0() -> bool:
+@dataclass(frozen=True)
+class CaptureRank:
+    """Where this scheduler process stands in the server's parallel layout."""
+
+    writes: bool  # the first rank of its attention-TP group: the one that publishes
+    dp_rank: int | None  # None: the server has a single DP rank
+
+    def dump_root(self, dump_dir: Path) -> Path:
+        """One folder per DP rank: each rank numbers its dumps from 0 and owns a DumpWriter,
+        whose private files (.ring, .pool-*) must not meet another writer's."""
+        return dump_dir if self.dp_rank is None else dump_dir / f"dp{self.dp_rank}"
+
+
+def _this_rank() -> CaptureRank:
+    """Read from SGLang's published parallel context (scheduler processes only). `dp_rank` is
+    the replica under `--dp-size` and the attention-DP group under DP attention (the DP
+    controller passes that as the scheduler's dp_rank); `num_dp_ranks` counts both."""
     from sglang.srt.runtime_context import get_parallel
 
-    return get_parallel().tp_rank == 0
+    p = get_parallel()
+    dp_rank = None
+    if p.num_dp_ranks > 1:
+        dp_rank = p.dp_rank if p.dp_rank is not None else p.attn_dp_rank
+    return CaptureRank(writes=p.attn_tp_rank == 0 and p.attn_cp_rank == 0, dp_rank=dp_rank)
 
 
 def _record_requests(forward_batch: Any, cls: type, batch: Any, *args: Any, **kwargs: Any) -> None:
@@ -235,7 +267,7 @@ def register(settings: CaptureSettings) -> None:
         # scheduler runs forwards, and only it should own a writer thread.
         nonlocal session
         if session is None:
-            session = CaptureSession(settings)
+            session = CaptureSession(settings, _this_rank())
         session.on_forward(output, runner, forward_batch)
 
     HookRegistry.register(INIT_BATCH_TARGET, _record_requests, HookType.AFTER)

@@ -1,4 +1,4 @@
-"""The Zarr v3 store: the product's public data format (schema, layout, creation, opening).
+"""The Zarr v3 store: the product's public data format (schema, layout, opening).
 
 One Zarr v3 group, flat and token-major; sample i owns rows `sample_rows(i)` of each [T, ...]:
 
@@ -8,30 +8,36 @@ One Zarr v3 group, flat and token-major; sample i owns rows `sample_rows(i)` of 
 | `loss_mask` | [T] uint8 | chunk_tokens | driver |
 | `aux_hidden_states` | [T, num_aux, H] uint16 (bf16 bits) / float32 | chunk_tokens | workers |
 | `final_hidden_states` | [T, H] same | chunk_tokens | workers |
-| `sample_start` | [N] int64 | N | driver |
-| `sample_length` | [N] int32 | N | driver |
+| `sample_start` | [N] int64 | PER_SAMPLE_BLOCK | driver |
+| `sample_length` | [N] int32 | PER_SAMPLE_BLOCK | driver |
 | `sample_id` | [N] string (variable-length UTF-8) | samples_per_shard | driver |
 | `sample_status` | [N] uint8: 0 planned, 1 written, 2 failed | samples_per_shard | workers |
 | `shard_committed` | [S] uint8: 1 once the shard's rows are complete | 1 | workers |
 | `shard_summary` | [S] string (JSON per shard; "" until committed) | 1 | workers |
-| `shard_plan_sha256` | [S] string: sha256 of the shard's planned ids + mask rows | S | driver |
+| `shard_plan_sha256` | [S] string: sha256 of its planned ids + mask | PER_SHARD_BLOCK | driver |
 
-Creation commits last: the group attribute `created` is written after every array and plan row,
-so a store whose creation was interrupted (no `created`) is never opened as a plan (`Store.open`
-raises `StoreIncomplete`; the driver creates it again, nothing else can have written to it).
+The plan streams in (store/builder.py): the driver creates every array empty and writes the
+group attribute `created`, then appends planned shards group by group, each shard's digest in
+`shard_plan_sha256` after its rows, so a shard is planned exactly when its digest is there;
+workers capture planned shards while later ones are still being planned. `planned` is written
+last, after every shard, the rejects and the arrays' exact shapes. A store without `created` was
+interrupted before any worker could use it (`Store.open` raises `StoreIncomplete`; the driver
+creates it again); one with `created` but no `planned` is resumed by planning again and
+checking the shards it holds (planning is deterministic). Schema 2-3 stores were planned whole
+before `created`.
 
 Group attributes: `manifest` (`Manifest.to_json()`), `rejected` (plan-time rejects,
-`[{"sample_id", "reason"}]`), `job` (what the plan was made from: data sources and their
-sha256, plan options; resume compares it) and, written by the driver once a run ends,
-`report` (the final report of the latest run). bf16 has no Zarr 3.1 dtype, so hidden states
-keep their raw bits in uint16 with the attribute `BF16_ATTR`; view them back with
+`[{"sample_id", "reason"}]`, complete once `planned`), `job` (what the plan was made from: data
+sources and their sha256, plan options; resume compares it) and, written by the driver once a
+run ends, `report` (the final report of the latest run). bf16 has no Zarr 3.1 dtype, so hidden
+states keep their raw bits in uint16 with the attribute `BF16_ATTR`; view them back with
 `ml_dtypes.bfloat16` or torch.
 
-Concurrency: the driver creates every array and attribute before any worker starts; a worker then
-writes only its shard's chunks (whole chunks, token ranges are chunk-aligned), its one
-`sample_status` chunk and its own `shard_committed` / `shard_summary` elements, so every Zarr
-object has exactly one writer and nobody resizes or writes attributes afterwards. Rows that are
-never written (padding, failed samples) read back as zero and, being all fill value, are not stored.
+Concurrency: only the driver writes metadata (array shapes, while planning; attributes), each
+write one atomic object; a worker writes only its shard's chunks (whole chunks, token ranges are
+chunk-aligned), its one `sample_status` chunk and its own `shard_committed` / `shard_summary`
+elements, so every Zarr object has exactly one writer. Rows that are never written (padding,
+failed samples) read back as zero and, being all fill value, are not stored.
 """
 
 from __future__ import annotations
@@ -52,9 +58,14 @@ from zarr.codecs import ZstdCodec
 from store.location import StoreAccessError, describe_failure, first_key, open_location
 from store.model_identity import model_identity
 
-SCHEMA_VERSION = 3  # 2: the `created` marker and `shard_plan_sha256`; 3: `weights_fingerprint`
-# Read, never written: a schema-2 store reads as one whose weights fingerprint is unknown (None).
-READABLE_SCHEMA_VERSIONS = (2, 3)
+# 2: the `created` marker and `shard_plan_sha256`; 3: `weights_fingerprint`; 4: a plan streamed
+# into the store (`planned`, arrays grown as shards are planned).
+SCHEMA_VERSION = 4
+# Read, never written: a schema-2 store reads as one whose weights fingerprint is unknown (None);
+# schema 2 and 3 stores were planned whole before `created`.
+READABLE_SCHEMA_VERSIONS = (2, 3, 4)
+PER_SAMPLE_BLOCK = 1 << 16  # sample_start / sample_length elements per chunk
+PER_SHARD_BLOCK = 1 << 12  # shard_plan_sha256 elements per chunk
 BF16_ATTR = {"stored_as": "uint16", "dtype": "bfloat16"}
 # Chosen with benchmarks/writer_vs_tofile.py --sweep (2 cores): zstd level 1 compressed bf16
 # activations only 1.21x and wrote at 0.4-0.6 GB/s against 1.2-1.8 GB/s uncompressed; per-chunk
@@ -227,10 +238,14 @@ def _round_up(n: int, multiple: int) -> int:
 
 
 def layout(
-    lengths: Sequence[int] | np.ndarray, samples_per_shard: int, chunk_tokens: int
+    lengths: Sequence[int] | np.ndarray,
+    samples_per_shard: int,
+    chunk_tokens: int,
+    after: Shard | None = None,
 ) -> tuple[np.ndarray, list[Shard], int]:
     """Deterministic layout: (sample_start [N] int64, shards, total_rows padded to a chunk).
-    Shard k holds samples [k*samples_per_shard, ...), so `sample_status` chunk k is shard k's."""
+    Shard k holds samples [k*samples_per_shard, ...), so `sample_status` chunk k is shard k's.
+    `after`: the shard these samples follow (a layout continued as a plan grows)."""
     lengths = np.asarray(lengths, dtype=np.int64)
     if samples_per_shard < 1 or chunk_tokens < 1:
         raise ValueError("samples_per_shard and chunk_tokens must be >= 1")
@@ -238,12 +253,14 @@ def layout(
         raise ValueError(f"sample {int(np.argmin(lengths))} has no tokens")
     starts = np.empty(lengths.size, dtype=np.int64)
     shards: list[Shard] = []
-    pos = 0
+    first = after.index + 1 if after else 0
+    sample0 = after.sample_end if after else 0
+    pos = _round_up(after.token_end, chunk_tokens) if after else 0
     for k, begin in enumerate(range(0, lengths.size, samples_per_shard)):
         end = min(begin + samples_per_shard, lengths.size)
         ends = pos + np.cumsum(lengths[begin:end])
         starts[begin:end] = ends - lengths[begin:end]
-        shards.append(Shard(k, begin, end, pos, int(ends[-1])))
+        shards.append(Shard(first + k, sample0 + begin, sample0 + end, pos, int(ends[-1])))
         pos = _round_up(int(ends[-1]), chunk_tokens)  # the next shard starts on a chunk boundary
     return starts, shards, pos
 
@@ -270,80 +287,24 @@ def create_store(
     overwrite: bool = False,
     storage_options: Mapping[str, Any] | None = None,
 ) -> Store:
-    """The driver's one-time creation of every array and attribute, and the plan's own rows;
-    the `created` marker last. `job`: what the plan was made from, kept for resume checks.
-    Fails if something already exists there (resume opens the store instead), unless
-    `overwrite` (for a store whose creation was interrupted)."""
+    """A store planned from a whole plan in memory (tests, tools; the driver streams through
+    store/builder.py). `job`: what the plan was made from, kept for resume checks. Fails if
+    something already exists there, unless `overwrite`."""
+    from store.builder import StoreBuilder
+
     if not len(sample_ids) == len(input_ids) == len(loss_masks):
         raise ValueError("sample_ids, input_ids and loss_masks differ in length")
-    lengths = np.array([len(x) for x in input_ids], dtype=np.int64)
-    for i, (ids, mask) in enumerate(zip(input_ids, loss_masks, strict=True)):
-        if len(mask) != len(ids) or len(ids) > manifest.max_length:
-            raise ValueError(f"sample {sample_ids[i]!r}: bad length or loss mask length")
-    starts, shards, total = layout(lengths, manifest.samples_per_shard, manifest.chunk_tokens)
-    m, c = manifest, manifest.chunk_tokens
-    attrs = {
-        "manifest": m.to_json(),
-        "rejected": [dict(r) for r in rejected],
-        "job": dict(job or {}),
-    }
-    location = open_location(url, storage_options)
-    if not overwrite:
-        try:
-            existing = first_key(location)
-        except obstore.exceptions.BaseError as exc:  # no bucket, refused credentials, ...
-            raise StoreAccessError(describe_failure(url, exc, storage_options)) from None
-        if existing is not None:
-            raise StoreAccessError(
-                f"{url}: not empty (it holds {existing!r}): a new store needs an empty location"
-            )
-    group = zarr.create_group(store=location, zarr_format=3, attributes=attrs, overwrite=overwrite)
-    comp = _compressors(m.codec)
-    hidden = "uint16" if m.dtype == "bfloat16" else "float32"
-    hidden_attrs = BF16_ATTR if m.dtype == "bfloat16" else {}
-    n, s = len(lengths), len(shards)
-
-    def new(name: str, shape: tuple[int, ...], dtype: Any, chunks: tuple[int, ...], **kw: Any):
-        return group.create_array(
-            name, shape=shape, dtype=dtype, chunks=chunks, fill_value=kw.pop("fill", 0), **kw
-        )
-
-    ids_arr = new("input_ids", (total,), "int32", (c,), compressors=comp)
-    mask_arr = new("loss_mask", (total,), "uint8", (c,), compressors=comp)
-    for name, shape in (
-        ("aux_hidden_states", (total, m.num_aux, m.hidden_size)),
-        ("final_hidden_states", (total, m.hidden_size)),
-    ):
-        new(name, shape, hidden, (c, *shape[1:]), compressors=comp, attributes=hidden_attrs)
-    whole = (max(n, 1),)
-    new("sample_start", (n,), "int64", whole)[:] = starts
-    new("sample_length", (n,), "int32", whole)[:] = lengths
-    per_shard = (m.samples_per_shard,)  # a worker reads its shard's ids in one chunk
-    new("sample_id", (n,), str, per_shard, fill="")[:] = np.array(sample_ids, dtype=str)
-    new("sample_status", (n,), "uint8", per_shard)
-    new("shard_committed", (s,), "uint8", (1,))
-    new("shard_summary", (s,), str, (1,), fill="")
-    digests = new("shard_plan_sha256", (s,), str, (max(s, 1),), fill="")
-    # The plan's rows, one shard range at a time: whole chunks, bounded memory.
-    shard_digests = []
-    for sh in shards:
-        stop = _round_up(sh.token_end, c)
-        ids = np.zeros(stop - sh.token_begin, np.int32)
-        mask = np.zeros(stop - sh.token_begin, np.uint8)
-        for i in range(sh.sample_begin, sh.sample_end):
-            rows = slice(starts[i] - sh.token_begin, starts[i] - sh.token_begin + lengths[i])
-            ids[rows], mask[rows] = input_ids[i], loss_masks[i]
-        ids_arr[sh.token_begin : stop] = ids
-        mask_arr[sh.token_begin : stop] = mask
-        used = sh.token_end - sh.token_begin
-        shard_digests.append(plan_digest(ids[:used], mask[:used]))
-    digests[:] = np.array(shard_digests, dtype=str)
-    group.attrs["created"] = True  # the creation's commit: everything above is in
-    return Store(group, manifest, shards, starts, lengths)
+    builder = StoreBuilder.create(url, manifest, job, overwrite, storage_options)
+    for sample in zip(sample_ids, input_ids, loss_masks, strict=True):
+        builder.add(*sample)
+    builder.finish(rejected)
+    return builder.store
 
 
 class Store:
-    """A thin handle on an existing store, for the driver, the workers and readers."""
+    """A thin handle on an existing store, for the driver, the workers and readers. While the
+    plan is still being streamed in (`planned` False), it holds the shards planned when it was
+    opened; `refresh()` catches up."""
 
     def __init__(
         self,
@@ -352,9 +313,11 @@ class Store:
         shards: list[Shard],
         sample_start: np.ndarray,
         sample_length: np.ndarray,
+        planned: bool = True,
     ) -> None:
         self.group, self.manifest, self.shards = group, manifest, shards
         self.sample_start, self.sample_length = sample_start, sample_length
+        self.planned = planned
         self._arrays: dict[str, zarr.Array] = {}
 
     @classmethod
@@ -365,7 +328,7 @@ class Store:
         storage_options: Mapping[str, Any] | None = None,
     ) -> Store:
         """Raises zarr's GroupNotFoundError where no store is, StoreAccessError where the
-        location cannot be used, StoreFormatError for anything else than a complete store."""
+        location cannot be used, StoreFormatError for anything else than a store."""
         group = open_group(url, mode, storage_options)
         attrs = group.attrs.asdict()
         if "manifest" not in attrs:
@@ -373,20 +336,72 @@ class Store:
         manifest = Manifest.from_json(attrs["manifest"])  # refuses other schema versions
         if attrs.get("created") is not True:
             raise StoreIncomplete(
-                f"{url}: its creation was interrupted before every plan row was written "
+                f"{url}: its creation was interrupted before every array was made "
                 "(no 'created' marker); no worker has written to it: submit the job again to "
                 "create it anew, or delete it"
             )
-        lengths = np.asarray(group["sample_length"][:], dtype=np.int64)
-        starts, shards, _ = layout(lengths, manifest.samples_per_shard, manifest.chunk_tokens)
+        planned = manifest.schema_version < 4 or attrs.get("planned") is True
+        store = cls(group, manifest, [], np.zeros(0, np.int64), np.zeros(0, np.int64), planned)
+        store._read_planned(str(url))
+        return store
+
+    @classmethod
+    def from_group(cls, group: zarr.Group, url: str) -> Store:
+        """The handle on a store just created (no shard planned yet)."""
+        manifest = Manifest.from_json(group.attrs["manifest"])
+        empty = np.zeros(0, np.int64)
+        return cls(group, manifest, [], empty, empty.copy(), planned=False)
+
+    def refresh(self) -> None:
+        """Catch up with the shards planned since this handle last looked (no-op once the
+        plan is complete): reads only what is new, and the arrays' metadata again."""
+        if self.planned:
+            return
+        self._arrays.clear()
+        mode = "r" if self.group.store.read_only else "r+"
+        self.group = zarr.open_group(store=self.group.store, mode=mode, zarr_format=3)
+        self.planned = self.group.attrs.get("planned") is True
+        self._read_planned(str(self.group.store))
+
+    def _read_planned(self, url: str) -> None:
+        """Append the shards planned beyond those this handle holds: those whose
+        `shard_plan_sha256` is written (a shard's digest is written after its rows)."""
+        done = len(self.shards)
+        digests = np.asarray(self.array("shard_plan_sha256")[done:])
+        count = int(np.argmin(digests != "")) if (digests == "").any() else len(digests)
+        if count == 0:
+            return
+        n0 = int(self.shards[-1].sample_end) if self.shards else 0
+        if self.planned:
+            lengths = np.asarray(self.array("sample_length")[n0:], np.int64)
+        else:  # full shards but perhaps the last; unplanned samples read as 0
+            lengths = np.asarray(
+                self.array("sample_length")[n0 : n0 + count * self.manifest.samples_per_shard],
+                np.int64,
+            )
+            lengths = lengths[: int(np.argmin(lengths > 0)) if (lengths == 0).any() else None]
+        after = self.shards[-1] if self.shards else None
+        starts, shards, _ = layout(
+            lengths, self.manifest.samples_per_shard, self.manifest.chunk_tokens, after
+        )
+        if len(shards) != count:
+            raise StoreFormatError(
+                f"{url}: {count} planned shards, but sample_length lays out {len(shards)}"
+            )
         # The layout is recomputed, so check it against the stored one rather than trust it.
-        if not np.array_equal(starts, group["sample_start"][:]):
+        if not np.array_equal(starts, self.array("sample_start")[n0 : n0 + len(lengths)]):
             raise StoreFormatError(f"{url}: sample_start disagrees with the layout")
-        return cls(group, manifest, shards, starts, lengths)
+        self.extend(shards, starts, lengths)
+
+    def extend(self, shards: list[Shard], starts: Sequence[int], lengths: Sequence[int]) -> None:
+        """Shards planned after this handle's (by the builder, or read by `refresh`)."""
+        self.shards = [*self.shards, *shards]
+        self.sample_start = np.concatenate([self.sample_start, np.asarray(starts, np.int64)])
+        self.sample_length = np.concatenate([self.sample_length, np.asarray(lengths, np.int64)])
 
     def array(self, name: str) -> zarr.Array:
         """The group's array `name`, opened once per handle: opening reads its metadata (an
-        object GET, or a file read), and no array's metadata changes after creation."""
+        object GET, or a file read), which changes only while the plan grows (`refresh`)."""
         if name not in self._arrays:
             self._arrays[name] = self.group[name]
         return self._arrays[name]
@@ -404,7 +419,8 @@ class Store:
         return list(self.group.attrs["rejected"])  # type: ignore[arg-type]
 
     def committed(self) -> np.ndarray:
-        return np.asarray(self.group["shard_committed"][:]) == 1
+        """Per planned shard (this handle's), whether it is committed."""
+        return np.asarray(self.array("shard_committed")[: len(self.shards)]) == 1
 
     def summary(self, k: int) -> dict[str, Any] | None:
         """Shard k's summary as its writer committed it; None before that."""

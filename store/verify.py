@@ -7,7 +7,8 @@ each reported OK / FAIL / SKIP by name:
 - manifest:  the group attribute `manifest` is present, a JSON object, of a schema version
              this code reads (READABLE_SCHEMA_VERSIONS), with every field of the right type and
              value (Store.open's rules);
-             `sample_start` equals the deterministic layout and every sample has >= 1 token.
+             the plan is complete (`planned`, schema 4); `sample_start` equals the
+             deterministic layout and every sample has >= 1 token.
              Failing it makes the store unreadable (exit 2): the other checks are skipped.
 - arrays:    every array exists with the shape, dtype, chunks, codec and attributes the manifest
              and layout imply (uint16 + the bf16 attribute for bfloat16); lengths agree.
@@ -49,6 +50,8 @@ from zarr.core.sync import sync
 from store.format import (
     BF16_ATTR,
     HIDDEN_ARRAYS,
+    PER_SAMPLE_BLOCK,
+    PER_SHARD_BLOCK,
     READABLE_SCHEMA_VERSIONS,
     STATUS_FAILED,
     STATUS_PLANNED,
@@ -240,6 +243,18 @@ def _layout_problems(group: zarr.Group, manifest: Manifest) -> list[str]:
     return []
 
 
+def _plan_incomplete(attrs: Mapping[str, Any], url: str | Path) -> list[str]:
+    """A store still being planned (or whose planning was interrupted) is not verified: its
+    arrays are not at their final shapes and its rejects are not all in."""
+    version = attrs["manifest"]["schema_version"]
+    if version >= 4 and attrs.get("created") is True and attrs.get("planned") is not True:
+        return [
+            f"{url}: its plan is not complete (no 'planned' marker): the job planning it is "
+            "still running or was interrupted (submitting it again finishes the plan)"
+        ]
+    return []
+
+
 def open_store(
     url: str | Path, report: VerifyReport, storage_options: Mapping[str, Any] | None = None
 ) -> Store | None:
@@ -259,6 +274,8 @@ def open_store(
             problems = [f"{url}/zarr.json has no 'manifest' attribute: not a hidden-state store"]
         else:
             problems = manifest_problems(attrs["manifest"], where)
+        if not problems:
+            problems = _plan_incomplete(attrs, url)
         if not problems:
             missing = [n for n in ("sample_start", "sample_length") if n not in group]
             problems = [f"{url}: array {n} is missing" for n in missing] or _layout_problems(
@@ -320,18 +337,22 @@ class _Verifier:
         n, s = self.store.num_samples, len(self.store.shards)
         hidden = "uint16" if m.dtype == "bfloat16" else "float32"
         aux, final = (m.num_aux, m.hidden_size), (m.hidden_size,)
+        # Schema 2-3 stores were written whole: one chunk per array of these.
+        streamed = m.schema_version >= 4
+        per_sample = (PER_SAMPLE_BLOCK,) if streamed else (max(n, 1),)
+        per_shard = (PER_SHARD_BLOCK,) if streamed else (max(s, 1),)
         return {
             "input_ids": ((t,), "int32", (c,)),
             "loss_mask": ((t,), "uint8", (c,)),
             "aux_hidden_states": ((t, *aux), hidden, (c, *aux)),
             "final_hidden_states": ((t, *final), hidden, (c, *final)),
-            "sample_start": ((n,), "int64", (max(n, 1),)),
-            "sample_length": ((n,), "int32", (max(n, 1),)),
+            "sample_start": ((n,), "int64", per_sample),
+            "sample_length": ((n,), "int32", per_sample),
             "sample_id": ((n,), "str", (m.samples_per_shard,)),
             "sample_status": ((n,), "uint8", (m.samples_per_shard,)),
             "shard_committed": ((s,), "uint8", (1,)),
             "shard_summary": ((s,), "str", (1,)),
-            "shard_plan_sha256": ((s,), "str", (max(s, 1),)),
+            "shard_plan_sha256": ((s,), "str", per_shard),
         }
 
     def check_arrays(self) -> None:

@@ -1,6 +1,7 @@
 """The whole job on two simulated GPU nodes (ray.cluster_utils.Cluster), each with a real CPU
-SGLang server on the tiny DeepseekV3: exactly-once output that matches its plan and an
-independent HF reference, bad rows rejected, a killed worker, a killed driver and a resume."""
+SGLang server on the tiny DeepseekV3, or on one node running two servers: exactly-once output
+that matches its plan and an independent HF reference, bad rows rejected, a killed worker, a
+killed driver and a resume."""
 
 from __future__ import annotations
 
@@ -24,15 +25,17 @@ import yaml
 from ray.cluster_utils import Cluster
 from transformers import AutoTokenizer
 
+from cluster import plan_sources
 from cluster.__main__ import main as cli_main
 from cluster.config import JobConfig, parse_config
 from cluster.driver import Driver, _Running, run_job
-from cluster.job_store import ResumeConflict, open_or_create
+from cluster.job_store import ResumeConflict, manifest_for, open_or_create, plan_into
+from cluster.plan import build_plan
 from cluster.report import ProgressMeter
 from cluster.shard_queue import ShardQueueActor
 from cluster.verify import verify
 from store.export import FORMATS, export
-from store.format import Store
+from store.format import Store, create_store
 from store.reader import HiddenStatesDataset
 from tests.test_model_identity import fine_tuned_copy
 from tests.test_node_worker import assert_store_matches_reference
@@ -44,10 +47,14 @@ pytestmark = pytest.mark.slow
 WORDS = "a draft model learns what the target model would say next at every token".split()
 
 
+# The head advertises it: a job with `worker.node_resource: PAIR_NODE` runs its servers there.
+PAIR_NODE = "pair_node"
+
+
 @pytest.fixture(scope="module")
 def two_nodes() -> Iterator[Cluster]:
     with private_temp_dir() as temp_dir:
-        head = {"num_cpus": 1, "temp_dir": temp_dir}
+        head = {"num_cpus": 1, "temp_dir": temp_dir, "resources": {PAIR_NODE: 1}}
         cluster = Cluster(initialize_head=True, head_node_args=head)
         for _ in range(2):
             cluster.add_node(num_cpus=1, resources={"sglang_node": 1}, temp_dir=temp_dir)
@@ -144,17 +151,43 @@ def assert_exactly_once(store: Store, rows: list[dict[str, Any]], model: Path) -
     assert all(not s["failed"] for s in summaries)
 
 
+def slow_template(model: Path, path: Path, seconds: float = 90) -> Path:
+    """The model's own template, rendering the same text, but ~`seconds` of CPU (on an idle
+    core) on a conversation that opens with "slow": a part that takes long to plan."""
+    loops = int(seconds * 1e9 / 60 / 100_000)  # ~60 ns per Jinja loop step, measured here
+    path.write_text(
+        "{% if messages[0]['content'].startswith('slow') %}{% for i in range(100000) %}"
+        f"{{% for j in range({loops}) %}}{{% endfor %}}{{% endfor %}}{{% endif %}}"
+        + tokenizer_of(model).chat_template
+    )
+    return path
+
+
 def test_two_nodes_write_every_sample_once_matching_plan_and_reference_and_reject_bad_rows(
-    two_nodes: Cluster, deepseek_path: Path, tmp_path: Path
+    two_nodes: Cluster, deepseek_path: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     rows = write_prompts(tmp_path / "prompts.jsonl", 12, bad=True)
+    # Last, in a part of its own: a row whose planning outlasts the servers' startup.
+    slow = {
+        "id": "slow",
+        "messages": [{"role": "user", "content": "slow?"}, *rows[0]["messages"][1:]],
+    }
+    with (tmp_path / "prompts.jsonl").open("a") as f:
+        f.write(json.dumps(slow) + "\n")
+    rows.append(slow)
+    monkeypatch.setattr(plan_sources, "PART_BYTES", 400)  # parts of a few rows each
     raw = job_config(deepseek_path, tmp_path / "prompts.jsonl", tmp_path / "s.zarr", tmp_path)
+    raw["data"]["chat_template"] = str(slow_template(deepseek_path, tmp_path / "slow.jinja"))
     log: list[str] = []
 
     assert run_job(parse_config(raw), say=log.append) == 0
 
     store = Store.open(tmp_path / "s.zarr")
     assert_exactly_once(store, rows, deepseek_path)
+    # Capture started on the first planned shards while the slow part was still being planned.
+    planning = store.group.attrs["report"]["run"]["planning"]
+    first_commit = min(store.summary(k)["finished_at"] for k in range(len(store.shards)))
+    assert first_commit < planning["finished_at"], (planning, first_commit)
     reasons = {r["sample_id"]: r["reason"] for r in store.rejected}
     assert set(reasons) == {*BAD_LINES, "prompts.jsonl:6"}, reasons
     assert "256" in reasons["bad-long"] and "malformed JSON" in reasons["prompts.jsonl:6"]
@@ -173,12 +206,44 @@ def test_two_nodes_write_every_sample_once_matching_plan_and_reference_and_rejec
     assert "ETA" in text
 
 
-def test_a_killed_worker_is_replaced_and_the_job_completes_exactly_once(
+def test_planning_on_two_nodes_gives_the_store_planning_in_one_process_gives(
+    two_nodes: Cluster, deepseek_path: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    write_prompts(tmp_path / "prompts.jsonl", 40, bad=True)
+    monkeypatch.setattr(plan_sources, "PART_BYTES", 300)  # ~15 parts, on both nodes' CPUs
+    raw = job_config(deepseek_path, tmp_path / "prompts.jsonl", tmp_path / "s.zarr", tmp_path)
+    config = parse_config(raw)
+    _, _, builder = open_or_create(config, say=lambda _: None)
+    fed: list[int] = []
+    plan_into(builder, config, 3, lambda shards: fed.extend(sh.index for sh in shards))
+
+    plan = build_plan(config.data, deepseek_path)  # in this process, in one go
+    manifest = manifest_for(config, plan.chat_template)
+    ref = create_store(
+        tmp_path / "ref.zarr",
+        manifest,
+        plan.sample_ids,
+        plan.input_ids,
+        plan.loss_masks,
+        rejected=plan.rejected,
+    )
+    assert fed == list(range(len(ref.shards)))  # every shard handed out once, in order
+    streamed = Store.open(tmp_path / "s.zarr")
+    assert streamed.planned and streamed.rejected == ref.rejected != []
+    for name in ("input_ids", "loss_mask", "sample_start", "sample_length", "sample_id"):
+        got, want = streamed.group[name], ref.group[name]
+        assert got.shape == want.shape and got.dtype == want.dtype, name
+        assert np.asarray(got[:]).tobytes() == np.asarray(want[:]).tobytes(), name
+
+
+def test_two_servers_on_one_node_and_a_killed_one_is_replaced_in_its_slot_exactly_once(
     two_nodes: Cluster, deepseek_path: Path, tmp_path: Path
 ) -> None:
     rows = write_prompts(tmp_path / "prompts.jsonl", 30)
     raw = job_config(deepseek_path, tmp_path / "prompts.jsonl", tmp_path / "s.zarr", tmp_path)
-    driver = Driver(parse_config(raw), say=lambda _: None)
+    raw["worker"].update(node_resource=PAIR_NODE, servers_per_node=2)  # one (CPU) node
+    log: list[str] = []
+    driver = Driver(parse_config(raw), say=log.append)
     result: list[int] = []
     thread = threading.Thread(target=lambda: result.append(driver.run()))
     thread.start()
@@ -190,11 +255,19 @@ def test_a_killed_worker_is_replaced_and_the_job_completes_exactly_once(
     ray.kill(victim.handle, no_restart=True)
     thread.join(600)
 
-    assert result == [0]
+    assert result == [0], "\n".join(log)[-6000:]
     store = Store.open(tmp_path / "s.zarr")
     assert_exactly_once(store, rows, deepseek_path)
     lost = store.group.attrs["report"]["run"]["workers_lost"]
     assert [w["worker"] for w in lost] == [victim.worker_id]
+    # Two slots on the head node; the replacement (the third worker) took the victim's.
+    node = victim.worker_id.rsplit("-s", 1)[0]
+    started = sorted(line.removeprefix("started ") for line in log if line.startswith("started"))
+    assert started == sorted([f"{node}-s0-w1", f"{node}-s1-w2", f"{node}-s{victim.slot}-w3"]), (
+        started
+    )
+    writers = {store.summary(k)["worker"] for k in range(len(store.shards))}
+    assert {w.split("-s")[-1].split("-w")[0] for w in writers} == {"0", "1"}, writers
     assert_store_matches_reference(store, deepseek_path, list(range(len(store.shards))))
 
 
@@ -307,25 +380,43 @@ def test_a_straggling_shard_is_run_again_at_the_tail_and_only_the_first_commit_i
     assert_store_matches_reference(store, deepseek_path, [shard])
 
 
-def test_a_store_whose_creation_was_interrupted_is_created_anew(
-    deepseek_path: Path, tmp_path: Path
+class DriverKilled(Exception):
+    pass
+
+
+def test_an_interrupted_plan_is_planned_again_and_an_interrupted_creation_made_anew(
+    deepseek_path: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     rows = write_prompts(tmp_path / "prompts.jsonl", 7)
+    monkeypatch.setattr(plan_sources, "PART_BYTES", 300)
     url = tmp_path / "s.zarr"
     config = parse_config(job_config(deepseek_path, tmp_path / "prompts.jsonl", url, tmp_path))
-    store, _ = open_or_create(config, say=lambda _: None)
-    # What a driver killed mid-creation leaves: plan rows not all written, no `created` marker.
-    store.group["input_ids"][store.shards[1].token_begin :] = 0
-    store.group.attrs.put({k: v for k, v in store.group.attrs.items() if k != "created"})
+    _, _, builder = open_or_create(config, say=lambda _: None)
+
+    def killed(shards: list) -> None:  # the driver dies once the first shards are out
+        raise DriverKilled
+
+    with pytest.raises(DriverKilled):
+        plan_into(builder, config, 0, killed)
+    assert 0 < len(Store.open(url).shards) < 3 and not Store.open(url).planned
 
     said: list[str] = []
-    store, resumed = open_or_create(config, say=said.append)
-
-    assert not resumed and "an earlier creation was interrupted" in said[0]
+    store, resumed, builder = open_or_create(config, say=said.append)
+    assert resumed and builder is not None and "was being planned" in said[0]
+    fed: list[int] = []
+    plan_into(builder, config, 0, lambda shards: fed.extend(sh.index for sh in shards))
+    assert fed and fed[0] == 1 and fed == list(range(fed[0], 3))  # only what was missing
+    assert Store.open(url).planned
     for i, row in enumerate(rows):
         assert store.group["input_ids"][store.sample_rows(i)].tolist() == expected_ids(
             deepseek_path, row
         )
+
+    # Killed while making the arrays: no `created` marker, nothing any worker could have used.
+    store.group.attrs.put({k: v for k, v in store.group.attrs.items() if k != "created"})
+    store, resumed, builder = open_or_create(config, say=said.append)
+    assert not resumed and builder is not None and "an earlier creation was interrupted" in said[-2]
+    plan_into(builder, config, 0, lambda shards: None)
     assert Store.open(url).num_samples == len(rows)
 
 
@@ -336,6 +427,7 @@ def test_a_job_on_s3_resumes_after_the_driver_is_killed_and_reads_verifies_and_e
     url = s3.url(f"{tmp_path.name}/s.zarr")
     raw = job_config(deepseek_path, tmp_path / "prompts.jsonl", url, tmp_path)
     raw["store"]["storage_options"] = s3.options
+    raw["queue"]["lease_s"] = 300  # beyond the margin object storage needs (its write bound)
     (tmp_path / "job.yaml").write_text(yaml.safe_dump(raw))
     first = start_driver(tmp_path / "job.yaml", two_nodes.address, tmp_path / "driver.log")
     before = kill_after_commits(first, url, 1, storage_options=s3.options)
@@ -394,7 +486,7 @@ def test_a_store_is_resumed_only_with_the_checkpoint_that_planned_it(
 
     moved = model.rename(tmp_path / "moved")
     raw["model"]["path"] = str(moved)
-    store, resumed = open_or_create(parse_config(raw), say=lambda _: None)
+    store, resumed, _ = open_or_create(parse_config(raw), say=lambda _: None)
     assert resumed and store.manifest.model == str(model)
 
     fine_tuned_copy(moved, model)

@@ -149,15 +149,23 @@ def assert_misaligned_rows_fail(store: Store, model_path: Path, i: int) -> None:
 def test_worker_writes_two_shards_matching_reference_and_plan(
     ray_cluster: None, deepseek_path: Path, tmp_path: Path
 ) -> None:
+    """Its server runs `--dp-size 2`: two schedulers, each numbering its own dumps from 0, so
+    the calibration probe's counter is one rank's only, and each rank dumps into a folder of
+    its own (dp0/, dp1/)."""
     store = plan_store(deepseek_path, tmp_path / "store.zarr", count=10, per_shard=5)
     planned_ids = np.asarray(store.group["input_ids"][:]).copy()
     planned_mask = np.asarray(store.group["loss_mask"][:]).copy()
     queue = ShardQueueActor.remote(range(len(store.shards)), lease_seconds=60)
-    config = worker_config(deepseek_path, tmp_path / "store.zarr", tmp_path)
+    config = worker_config(deepseek_path, tmp_path / "store.zarr", tmp_path, dp_size=2)
     worker = NodeWorker.options(resources={"sglang_node": 1}).remote(config, queue)
 
-    summaries = ray.get(worker.run.remote(), timeout=600)
+    run, rank_folders, deadline = worker.run.remote(), set(), time.monotonic() + 600
+    while not ray.wait([run], timeout=0.1)[0]:
+        assert time.monotonic() < deadline, "the worker did not finish"
+        rank_folders |= {p.name for p in tmp_path.glob("hsx-dumps-*/server-0/dp*")}
+    summaries = ray.get(run)
 
+    assert rank_folders == {"dp0", "dp1"}, "both DP ranks captured"
     assert sorted(s["shard"] for s in summaries) == [0, 1]
     assert all(s["written"] == 5 and not s["failed"] for s in summaries)
     assert ray.get(queue.status.remote()).finished

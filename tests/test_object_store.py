@@ -195,6 +195,7 @@ def test_every_command_exits_2_on_an_unusable_location_naming_the_url_without_se
     before = s3.keys()
     write_prompts(tmp_path / "prompts.jsonl", 3)
     config = job_config(deepseek_path, tmp_path / "prompts.jsonl", tmp_path / "unused", tmp_path)
+    config["queue"]["lease_s"] = 300  # beyond the margin object storage needs (its write bound)
     (tmp_path / "job.yaml").write_text(json.dumps(config))  # JSON is YAML
     good = s3.environment
     cases = {

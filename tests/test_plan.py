@@ -13,9 +13,10 @@ import numpy as np
 import pytest
 
 from cluster import plan as plan_mod
+from cluster import plan_sources
 from cluster.config import DataConfig
+from cluster.loss_mask import BOUNDARY_MERGED, NOT_AS_WRITTEN
 from cluster.plan import (
-    PREFIX_UNSTABLE,
     Plan,
     PlanError,
     build_plan,
@@ -332,18 +333,170 @@ def test_prefix_mask_equals_generation_mask(tmp_path: Path, llama_path: Path, to
     assert sum(m.sum() for m in by_prefix.loss_masks) > 0
 
 
-def test_prefix_unstable_template_rejects_multi_turn_rows(tmp_path: Path, llama_path: Path) -> None:
-    # An end-of-conversation token only after the last message: earlier assistant turns render
-    # differently once later turns follow, so their tokens cannot be found by prefix differences.
-    template = tmp_path / "unstable.jinja"
+def test_an_end_of_conversation_token_is_not_part_of_earlier_turns(
+    tmp_path: Path, llama_path: Path
+) -> None:
+    # `<|eos|>` only after the last message: earlier assistant turns render differently once
+    # later turns follow (the old per-turn prefix method rejected c2 and c3 for it); the turn end
+    # is what follows an assistant's content in both cases, so the masks stay the marked ones.
+    template = tmp_path / "eos.jinja"
     template.write_text(
         NO_MARKERS_TEMPLATE + "{% if not add_generation_prompt %}<|eos|>{% endif %}"
     )
     path = write_jsonl(tmp_path / "d.jsonl", CHAT_ROWS)
     plan = plan_for(path, llama_path, chat_template=str(template))
-    assert plan.sample_ids == ["t1", "c1", "17"]
-    assert plan.rejected == [{"sample_id": i, "reason": PREFIX_UNSTABLE} for i in ("c2", "c3")]
-    assert plan_for(path, llama_path, chat_template=str(template), loss_mask="all").rejected == []
+    marked = plan_for(path, llama_path)
+    assert plan.rejected == []
+    eos = plan.input_ids[1][-1]  # each chat row ends with the extra token, unmasked
+    for ids, mask, ref_ids, ref_mask in zip(
+        plan.input_ids, plan.loss_masks, marked.input_ids, marked.loss_masks, strict=True
+    ):
+        if len(ids) == len(ref_ids):  # a text row
+            assert ids.tolist() == ref_ids.tolist() and mask.tolist() == ref_mask.tolist()
+        else:
+            assert ids.tolist() == [*ref_ids.tolist(), eos] and mask.tolist() == [*ref_mask, 0]
+
+
+# A ChatML template as chat models ship it: no markers, a `\n` after every `<|im_end|>`, and a
+# default system prompt when the conversation does not open with one.
+CHATML = (
+    "{% if messages[0]['role'] != 'system' %}<|im_start|>system\nYou are helpful.<|im_end|>\n"
+    "{% endif %}"
+    "{% for message in messages %}"
+    "<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+def test_chatml_masks_each_turn_and_its_end_token_only(
+    tmp_path: Path, llama_path: Path, tok: Any
+) -> None:
+    template = tmp_path / "chatml.jinja"
+    template.write_text(CHATML)
+    rows = [
+        {"id": "two", "messages": chat("hello", "world", "why?", "yes it's science")},
+        # Content starting with "\n\n": its first token merges with the header's "\n".
+        {"id": "newlines", "messages": chat("hello", "\n\nthe answer is 42.")},
+        {"id": "opens", "messages": chat("the answer is 42.", "thanks", first="assistant")},
+        {"id": "echo", "messages": chat("yes", "yes")},  # the user's words are not the turn
+        {"id": "system", "messages": [{"role": "system", "content": "be nice"}, *chat("a", "b")]},
+    ]
+    path = write_jsonl(tmp_path / "d.jsonl", rows)
+    plan = plan_for(path, llama_path, chat_template=str(template))
+    assert plan.rejected == []
+    runs = {
+        sid: mask_runs(ids, mask, tok)
+        for sid, ids, mask in zip(plan.sample_ids, plan.input_ids, plan.loss_masks, strict=True)
+    }
+    end = ASSISTANT_END
+    assert runs["two"] == ["world" + end, "yes it's science" + end]
+    assert runs["opens"] == ["the answer is 42." + end]
+    assert runs["echo"] == ["yes" + end]
+    assert runs["system"] == ["b" + end]
+    # The merged "\n\n\n" token overlaps the content, so it is the turn's (as a generation
+    # block's overlapping tokens are in transformers' mask).
+    assert runs["newlines"][0].endswith("the answer is 42." + end)
+    assert runs["newlines"][0].strip("\n") == "the answer is 42." + end
+    for ids, mask in zip(plan.input_ids, plan.loss_masks, strict=True):
+        text = tok.decode(ids.tolist())
+        assert text.endswith(end + "\n") and mask[-1] == 0  # the "\n" after it: never masked
+
+    # Without character offsets (a slow tokenizer): the same masks.
+    data = DataConfig(paths=[str(path)], chat_template=str(template))
+    assert slow_encode(rows, data, llama_path) == [
+        (ids.tolist(), mask.tolist())
+        for ids, mask in zip(plan.input_ids, plan.loss_masks, strict=True)
+    ]
+
+
+def slow_encode(rows: list[dict[str, Any]], data: DataConfig, model: Path) -> list[Any]:
+    """The encoder's results for `rows` as a tokenizer without character offsets gets them."""
+    encoder = plan_mod.Encoder.load(data, model, False)
+    encoder.use_offsets = False
+    results = encoder.encode([plan_mod.parse_row(r, None, data) for r in rows])
+    return [r if isinstance(r, str) else (r[0].tolist(), r[1].tolist()) for r in results]
+
+
+def test_a_token_merged_across_the_header_edge_is_the_turns(
+    tmp_path: Path, llama_path: Path, tok: Any
+) -> None:
+    # The header ends with a space and the content starts with a word: the tokenizer makes one
+    # token of them (" the"), so no rendering of the header alone is a token prefix of the
+    # conversation's (the old per-turn prefix method rejected every such row).
+    template = tmp_path / "colon.jinja"
+    template.write_text(CHATML.replace("{{ message['role'] }}\n", "{{ message['role'] }}: "))
+    rows = [{"id": "c", "messages": chat("hello", "the answer is 42.")}]
+    path = write_jsonl(tmp_path / "d.jsonl", rows)
+    plan = plan_for(path, llama_path, chat_template=str(template))
+    ids, mask = plan.input_ids[0], plan.loss_masks[0]
+    header_end = tok.convert_ids_to_tokens(ids.tolist()).index("Ġthe")
+    assert mask_runs(ids, mask, tok) == [" the answer is 42." + ASSISTANT_END]
+    assert mask[header_end - 1] == 0  # "assistant:" stays unmasked
+    # Without offsets that token cannot be placed: the row is rejected, never mis-masked.
+    data = DataConfig(paths=[str(path)], chat_template=str(template))
+    assert slow_encode(rows, data, llama_path) == [BOUNDARY_MERGED.format(turn=0)]
+
+
+def test_a_template_that_rewrites_earlier_turns_rejects_those_rows(
+    tmp_path: Path, llama_path: Path
+) -> None:
+    # As reasoning models' templates do: earlier assistant turns lose their "<think>" part.
+    template = tmp_path / "think.jinja"
+    template.write_text(
+        CHATML.replace(
+            "{{ message['content'] }}",
+            "{% if message['role'] == 'assistant' and not loop.last %}"
+            "{{ message['content'].split('</think>')[-1] }}"
+            "{% else %}{{ message['content'] }}{% endif %}",
+        )
+    )
+    rows = [
+        {"id": "one", "messages": chat("q", "<think>hmm</think>the answer")},
+        {"id": "two", "messages": chat("q", "<think>hmm</think>first", "and?", "second")},
+    ]
+    plan = plan_for(
+        write_jsonl(tmp_path / "d.jsonl", rows), llama_path, chat_template=str(template)
+    )
+    assert plan.sample_ids == ["one"]
+    assert plan.rejected == [{"sample_id": "two", "reason": NOT_AS_WRITTEN.format(turn=0)}]
+
+
+def test_parts_give_the_same_plan_wherever_they_are_cut(
+    tmp_path: Path, llama_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    rows = [
+        *CHAT_ROWS,
+        b"",
+        {"text": "no id"},
+        {"id": "c1", "text": "dup"},
+        b"{bad",
+        *CHAT_ROWS[:1],
+    ]
+    jsonl = write_jsonl(tmp_path / "d.jsonl", rows)
+    good = [r for r in rows if isinstance(r, dict)]
+    pq.write_table(
+        pa.Table.from_pylist(columnar([{**r, "id": r.get("id") and str(r["id"])} for r in good])),
+        tmp_path / "d.parquet",
+        row_group_size=1,
+    )
+    whole = plan_for([jsonl, tmp_path / "d.parquet"], llama_path)
+    monkeypatch.setattr(plan_sources, "PART_BYTES", 7)  # parts cut inside lines, some empty
+    monkeypatch.setattr(plan_sources, "PART_ROWS", 2)
+    assert len(
+        list(
+            plan_sources.split_parts(
+                [plan_sources.resolve_source(str(jsonl), "auto")], DataConfig(paths=[str(jsonl)])
+            )
+        )
+    ) > len(rows)
+    cut = plan_for([jsonl, tmp_path / "d.parquet"], llama_path)
+    assert as_tuple(cut) == as_tuple(whole)
+    assert cut.sources == whole.sources
+    assert "d.jsonl:7" in whole.sample_ids  # numbered across parts: line 7 of the file
 
 
 @pytest.mark.parametrize("markers", [True, False])

@@ -16,6 +16,7 @@ import zarr
 from actors.lease_keeper import LeaseKeeper, LeaseLost
 from actors.shard_writer import ShardWriter
 from cluster.shard_queue import ShardQueue
+from store.builder import PlanDiverged, StoreBuilder
 from store.format import (
     BF16_ATTR,
     SCHEMA_VERSION,
@@ -213,10 +214,17 @@ def test_mark_failed_leaves_zero_rows_and_a_reason(tmp_path: Path) -> None:
 
 
 def keeper(queue: ShardQueue, worker: str) -> LeaseKeeper:
-    """A lease on the in-process queue, fenced exactly as a worker's is through the actor."""
+    """A lease on the in-process queue, fenced exactly as a worker's is through the actor, its
+    heartbeat thread running (a revoked holder learns it there and says it stopped)."""
     lease = queue.acquire(worker)
     assert lease is not None
-    return LeaseKeeper(lambda method, *a: getattr(queue, method)(*a), lease, interval=3600)
+    lock = threading.Lock()  # the actor runs one call at a time; the plain class does not
+
+    def call(method: str, *args: object) -> object:
+        with lock:
+            return getattr(queue, method)(*args)
+
+    return LeaseKeeper(call, lease, interval=0.05).__enter__()
 
 
 def test_lost_lease_stops_writes_and_commit(tmp_path: Path) -> None:
@@ -228,6 +236,7 @@ def test_lost_lease_stops_writes_and_commit(tmp_path: Path) -> None:
     for i in (4, 5):
         writer.write_sample(i, *(as_input(x, i) for x in sample_bits(i)))
     queue.revoke(1)
+    fence.renew()  # the holder learns it at its next heartbeat
     with pytest.raises(LeaseLost):  # raised at once or at the latest by commit
         for i in (6, 7):
             writer.write_sample(i, *(as_input(x, i) for x in sample_bits(i)))
@@ -307,7 +316,7 @@ def test_a_deferred_duplicate_that_loses_leaves_no_trace(tmp_path: Path) -> None
     for i in range(sh.sample_begin, sh.sample_end):
         orig.write_sample(i, *(as_input(x, i) for x in sample_bits(i)))
     assert queue.complete(orig_fence.lease.lease_id, orig.commit({"worker": "orig"}))
-    with pytest.raises(LeaseLost, match="claimed it first"):
+    with pytest.raises(LeaseLost, match=r"claimed it first|refused the heartbeat"):
         dup.commit({"worker": "dup"})
     dup.abort()
     check_rows(store, list(range(sh.sample_begin, sh.sample_end)))
@@ -370,39 +379,53 @@ def test_wrong_schema_version_is_refused_clearly(tmp_path: Path) -> None:
         new_store(tmp_path / "s.zarr")
 
 
-class DriverKilled(Exception):
-    pass
-
-
-class DiesAtSample(list):
-    """Plan rows whose driver dies when it reaches sample `at` (mid-creation)."""
-
-    def __init__(self, rows: list[np.ndarray], at: int) -> None:
-        super().__init__(rows)
-        self.at = at
-
-    def __getitem__(self, i):
-        if i == self.at:
-            raise DriverKilled
-        return super().__getitem__(i)
-
-
-def test_an_interrupted_creation_is_never_opened_as_a_plan(tmp_path: Path) -> None:
+def test_a_plan_streams_in_shard_by_shard_and_an_interrupted_one_resumes(tmp_path: Path) -> None:
     names, ids, masks = plan()
-    with pytest.raises(DriverKilled):  # shards 0 and 1 are written, shard 2's rows are not
-        create_store(tmp_path / "s.zarr", manifest(), names, DiesAtSample(ids, 8), masks)
+    url = tmp_path / "s.zarr"
+    builder = StoreBuilder.create(url, manifest())
+    assert Store.open(url).shards == []  # created: workers may open it, nothing to do yet
+    for i in range(6):  # the driver dies after planning 6 samples: one shard and a half
+        builder.add(names[i], ids[i], masks[i])
+    assert builder.flush() == layout(LENGTHS[:4], PER_SHARD, CHUNK)[1]
+    reader = Store.open(url, mode="r+")
+    assert not reader.planned and [sh.index for sh in reader.shards] == [0]
+    assert np.array_equal(reader.group["input_ids"][reader.sample_rows(3)], ids[3])
+    report = verify_store(url, say=lambda _: None)
+    assert report.exit_code == 2 and "its plan is not complete" in report.format()
 
-    with pytest.raises(StoreIncomplete, match="creation was interrupted"):
-        Store.open(tmp_path / "s.zarr", mode="r+")
-    report = verify_store(tmp_path / "s.zarr", say=lambda _: None)
-    assert report.exit_code == 2 and "creation was interrupted" in report.format()
-    with pytest.raises(StoreAccessError, match="not empty"):
-        create_store(tmp_path / "s.zarr", manifest(), names, ids, masks)
-
-    create_store(tmp_path / "s.zarr", manifest(), names, ids, masks, overwrite=True)
-    store = Store.open(tmp_path / "s.zarr")
+    # Resumed: planned again from the start; what the store holds is checked, not rewritten.
+    with pytest.raises(PlanDiverged, match="shard 0"):
+        other = StoreBuilder.resume(Store.open(url, mode="r+"))
+        for i in range(4):
+            other.add(names[i], ids[i] + 1, masks[i])
+        other.finish([])
+    resumed = StoreBuilder.resume(Store.open(url, mode="r+"))
     for i in range(len(LENGTHS)):
-        assert np.array_equal(store.group["input_ids"][store.sample_rows(i)], ids[i])
+        resumed.add(names[i], ids[i], masks[i])
+    resumed.finish([{"sample_id": "bad", "reason": "too long"}])
+    reader.refresh()  # an earlier handle catches up
+    fresh = new_store(tmp_path / "fresh.zarr")
+    for store in (reader, Store.open(url)):
+        assert store.planned and store.shards == fresh.shards
+        assert np.array_equal(store.sample_start, fresh.sample_start)
+        assert store.rejected == fresh.rejected
+        for name in ("input_ids", "loss_mask", "sample_id", "sample_start", "shard_plan_sha256"):
+            got, want = store.group[name], fresh.group[name]
+            assert got.shape == want.shape and np.array_equal(got[:], want[:]), name
+    errors = verify_store(url, say=lambda _: None).findings
+    assert {(f.check, f.message.split(":")[0]) for f in errors if f.level == "error"} == {
+        ("commits", f"shard {k} not committed") for k in range(3)
+    }  # a consistent plan, with nothing captured yet
+
+    # Without `created` (killed while making the arrays) it is never opened as a plan.
+    group = zarr.open_group(url, mode="r+")
+    group.attrs.put({k: v for k, v in group.attrs.items() if k != "created"})
+    with pytest.raises(StoreIncomplete, match="creation was interrupted"):
+        Store.open(url, mode="r+")
+    with pytest.raises(StoreAccessError, match="not empty"):
+        create_store(url, manifest(), names, ids, masks)
+    create_store(url, manifest(), names, ids, masks, overwrite=True)
+    assert Store.open(url).shards == fresh.shards
 
 
 def test_make_manifest_hashes_the_model_and_picks_the_chunking(tmp_path: Path) -> None:

@@ -1,0 +1,315 @@
+"""Rows to samples: field checks, chat template, tokenization, loss mask and limits.
+
+    encoder = Encoder.load(data, model_path, trust_remote_code)
+    results = encoder.encode([parse_row(row, data) for row in rows])   # (ids, mask) or a reason
+
+The rules and every reject reason are in cluster/plan.py's docstring. Nothing here raises for
+a bad row; PlanError is only for the model or the template file as a whole.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from cluster.config import DataConfig
+from cluster.loss_mask import TemplateShapeError, TurnShape, token_mask, token_mask_by_prefix
+from cluster.plan_sources import PlanError
+
+NO_TEMPLATE = "the model has no chat template; set data.chat_template"
+NO_ASSISTANT = "no assistant turn to train on"
+NO_MASKED_TOKENS = "the chat template marks no assistant tokens"
+# The same test transformers uses to decide whether a template can return an assistant mask.
+_GENERATION_TAG = re.compile(r"\{%-?\s*generation\s*-?%\}")
+
+
+@dataclass
+class Row:
+    """One input row after its field checks: a reject reason, or text, or messages."""
+
+    own_id: str | None  # the row's id field; None: the row is named by its location
+    reason: str | None = None
+    text: str | None = None
+    messages: list[dict[str, Any]] | None = None
+
+
+Encoded = tuple[np.ndarray, np.ndarray]  # int32 token ids, uint8 loss mask
+
+
+def _type_name(value: Any) -> str:
+    names = {type(None): "null", dict: "object", str: "string"}
+    return names.get(type(value), type(value).__name__)
+
+
+def parse_row(value: Any, reason: str | None, data: DataConfig) -> Row:
+    """The id and field checks of one raw row (`reason`: it could not even be parsed)."""
+    if reason is None and not isinstance(value, dict):
+        reason = f"row must be a JSON object, got {_type_name(value)}"
+    if reason is not None:
+        return Row(None, reason)
+    own_id = value.get(data.id_field)
+    if own_id is not None:
+        if isinstance(own_id, bool) or not isinstance(own_id, str | int):
+            return Row(
+                None, f"{data.id_field} must be a string or an integer, got {_type_name(own_id)}"
+            )
+        if own_id == "":
+            return Row(None, f"{data.id_field} is an empty string")
+        own_id = str(own_id)
+    return _parse_content(own_id, value, data)
+
+
+def _parse_content(own_id: str | None, row: dict[str, Any], data: DataConfig) -> Row:
+    tf, mf = data.text_field, data.messages_field
+    text, messages = row.get(tf), row.get(mf)
+    if text is not None and messages is not None:
+        return Row(own_id, f"row has both {tf} and {mf}")
+    if text is None and messages is None:
+        return Row(own_id, f"row has neither {tf} nor {mf}")
+    if text is not None:
+        if not isinstance(text, str):
+            return Row(own_id, f"{tf} must be a string, got {_type_name(text)}")
+        if not text or text.isspace():
+            return Row(own_id, "text is only whitespace" if text else "empty text")
+        return Row(own_id, text=text)
+    reason = _check_messages(messages, mf, data.roles)
+    if reason:
+        return Row(own_id, reason)
+    # Parquet / HF datasets give every message every key of the column's struct: drop nulls.
+    return Row(own_id, messages=[{k: v for k, v in m.items() if v is not None} for m in messages])
+
+
+def _check_messages(messages: Any, mf: str, roles: list[str]) -> str | None:
+    if not isinstance(messages, list):
+        return f"{mf} must be a list, got {_type_name(messages)}"
+    if not messages:
+        return "empty messages"
+    for i, message in enumerate(messages):
+        if not isinstance(message, dict):
+            return f"{mf}[{i}] must be an object, got {_type_name(message)}"
+        for key in ("role", "content"):
+            if not isinstance(message.get(key), str):
+                return f"{mf}[{i}].{key} must be a string, got {_type_name(message.get(key))}"
+        if message["role"] not in roles:
+            return f"{mf}[{i}].role {message['role']!r} is not one of data.roles {roles}"
+    return None
+
+
+# ---------------------------------------------------------------------------------------------
+# Model
+
+
+def load_tokenizer(model_path: str | Path, trust_remote_code: bool = False) -> Any:
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(str(model_path), trust_remote_code=trust_remote_code)
+    except (OSError, ValueError) as exc:
+        raise PlanError(f"cannot load the tokenizer of {model_path}: {exc}") from exc
+
+
+def vocab_size(model_path: Path) -> int:
+    """`text_config.vocab_size` if present, else `vocab_size`: a tokenizer's added tokens can
+    lie beyond the embedding."""
+    try:
+        config = json.loads((model_path / "config.json").read_text())
+    except (OSError, ValueError) as exc:
+        raise PlanError(f"cannot read {model_path / 'config.json'}: {exc}") from exc
+    text_config = config.get("text_config") or {}
+    size = text_config.get("vocab_size", config.get("vocab_size"))
+    if not isinstance(size, int) or size < 1:
+        raise PlanError(f"{model_path / 'config.json'} has no usable vocab_size")
+    return size
+
+
+def chat_template_text(
+    data: DataConfig, model_path: str | Path, trust_remote_code: bool = False
+) -> str | None:
+    """`plan.chat_template` without planning: what a resume compares with the store's."""
+    if data.chat_template != "model":
+        return resolve_chat_template(data.chat_template, None)
+    return resolve_chat_template("model", load_tokenizer(model_path, trust_remote_code))
+
+
+def resolve_chat_template(setting: str, tokenizer: Any) -> str | None:
+    if setting != "model":
+        try:
+            return Path(setting).read_text()
+        except OSError as exc:
+            raise PlanError(f"cannot read the chat template file {setting}: {exc}") from exc
+    if tokenizer.chat_template is None:
+        return None
+    try:  # a dict of named templates resolves to its "default" one, as transformers does
+        return tokenizer.get_chat_template()
+    except ValueError:
+        return None
+
+
+def _special_tokens(tokenizer: Any) -> list[str]:
+    added = getattr(tokenizer, "added_tokens_decoder", {}) or {}
+    return sorted(
+        {*tokenizer.all_special_tokens, *(t.content for t in added.values() if t.special)}
+    )
+
+
+# ---------------------------------------------------------------------------------------------
+# Tokenization and checks
+
+
+class Encoder:
+    """Tokenizes a chunk of parsed rows; each result is (ids, mask) arrays or a reject reason."""
+
+    def __init__(self, tokenizer: Any, template: str | None, data: DataConfig, vocab: int):
+        self.tok = tokenizer
+        self.template = template
+        self.assistant_only = data.loss_mask == "assistant"
+        self.max_length = data.max_length
+        self.vocab = vocab
+        fast = bool(getattr(tokenizer, "is_fast", False))
+        # char_to_token, which the transformers mask relies on, needs a fast tokenizer.
+        self.use_markers = bool(template and _GENERATION_TAG.search(template) and fast)
+        self.use_offsets = fast
+        self._shape: TurnShape | str | None = None  # learned on the first chat row that needs it
+
+    @classmethod
+    def load(cls, data: DataConfig, model_path: str | Path, trust_remote_code: bool) -> Encoder:
+        tokenizer = load_tokenizer(model_path, trust_remote_code)
+        template = resolve_chat_template(data.chat_template, tokenizer)
+        return cls(tokenizer, template, data, vocab_size(Path(model_path)))
+
+    def encode(self, rows: list[Row]) -> list[Encoded | str]:
+        results: list[Any] = [r.reason or "" for r in rows]  # "": filled in below
+        texts = [i for i, r in enumerate(rows) if r.text is not None]
+        chats = [i for i, r in enumerate(rows) if r.messages is not None]
+        if texts:
+            ids = self.tok([rows[i].text for i in texts], add_special_tokens=True)["input_ids"]
+            for i, row_ids in zip(texts, ids, strict=True):
+                results[i] = (row_ids, None)
+        encoded = self._encode_chats([rows[i].messages for i in chats])
+        for i, result in zip(chats, encoded, strict=True):
+            results[i] = result
+        return [r if isinstance(r, str) else self._check(*r) for r in results]
+
+    def _check(self, ids: list[int], mask: list[int] | None) -> Encoded | str:
+        if not ids:
+            return "zero tokens"
+        if len(ids) > self.max_length:
+            return f"{len(ids)} tokens > max_length {self.max_length}"
+        arr = np.asarray(ids, dtype=np.int64)
+        bad = (arr < 0) | (arr >= self.vocab)
+        if bad.any():
+            return f"token id {arr[bad][0]} is outside the model's vocabulary [0, {self.vocab})"
+        if mask is None:
+            return arr.astype(np.int32), np.ones(len(arr), dtype=np.uint8)
+        mask_arr = np.asarray(mask, dtype=np.uint8)
+        if not mask_arr.any():
+            return NO_MASKED_TOKENS
+        return arr.astype(np.int32), mask_arr
+
+    def _encode_chats(self, convs: list[list[dict[str, Any]]]) -> list[Any]:
+        if not convs:
+            return []
+        if self.template is None:
+            return [NO_TEMPLATE] * len(convs)
+        if not self.assistant_only:
+            return self._encode_rendered(convs, masked=False)
+        results: list[Any] = [NO_ASSISTANT] * len(convs)
+        todo = [i for i, c in enumerate(convs) if any(m["role"] == "assistant" for m in c)]
+        if self.use_markers:
+            encoded = self._encode_marked([convs[i] for i in todo])
+        else:
+            encoded = self._encode_rendered([convs[i] for i in todo], masked=True)
+        for i, result in zip(todo, encoded, strict=True):
+            results[i] = result
+        return results
+
+    def _render(self, messages: list[dict[str, Any]], generation_prompt: bool) -> str:
+        return self.tok.apply_chat_template(
+            messages,
+            chat_template=self.template,
+            tokenize=False,
+            add_generation_prompt=generation_prompt,
+        )
+
+    def _turn_shape(self) -> TurnShape | str:
+        if self._shape is None:
+            try:
+                self._shape = TurnShape.learn(self._render, _special_tokens(self.tok))
+            except TemplateShapeError as exc:
+                self._shape = (
+                    f"cannot tell how the chat template renders assistant turns ({exc}); use "
+                    "loss_mask: all or a template with {% generation %} markers"
+                )
+        return self._shape
+
+    def _encode_rendered(self, convs: list[list[dict[str, Any]]], masked: bool) -> list[Any]:
+        """One rendering per conversation, one batch tokenizer call; masks from the assistant
+        turns' character spans (cluster/loss_mask.py)."""
+        shape = self._turn_shape() if masked else None
+        if isinstance(shape, str):
+            return [shape] * len(convs)
+        results: list[Any] = []
+        texts: list[str] = []
+        spans: list[Any] = []
+        for conv in convs:
+            try:
+                text = self._render(conv, False)
+            except Exception as exc:  # a template is user code; its errors are the row's
+                results.append(f"chat template error: {exc}")
+                continue
+            span = shape.assistant_spans(text, conv) if shape else []
+            results.append(span if isinstance(span, str) else "")
+            if not isinstance(span, str):
+                texts.append(text)
+                spans.append(span)
+        if not texts:
+            return results
+        # apply_chat_template(tokenize=True) also adds no special tokens: the template writes them.
+        offsets = masked and self.use_offsets
+        out = self.tok(texts, add_special_tokens=False, return_offsets_mapping=offsets)
+        todo = iter(range(len(texts)))
+        for i, result in enumerate(results):
+            if result:
+                continue
+            k = next(todo)
+            ids = out["input_ids"][k]
+            if not masked:
+                results[i] = (ids, None)
+            elif offsets:
+                results[i] = (ids, token_mask(spans[k], out["offset_mapping"][k]))
+            else:
+                mask = token_mask_by_prefix(spans[k], texts[k], ids, self._tokenize)
+                results[i] = mask if isinstance(mask, str) else (ids, mask)
+        return results
+
+    def _tokenize(self, texts: list[str]) -> list[list[int]]:
+        return self.tok(texts, add_special_tokens=False)["input_ids"] if texts else []
+
+    def _encode_marked(self, convs: list[list[dict[str, Any]]]) -> list[Any]:
+        try:
+            return list(self._apply_marked(convs))
+        except Exception:  # one row's template error fails the batch: find it row by row
+            pass
+        results: list[Any] = []
+        for conv in convs:
+            try:
+                results.extend(self._apply_marked([conv]))
+            except Exception as exc:  # a template is user code; its errors are the row's
+                results.append(f"chat template error: {exc}")
+        return results
+
+    def _apply_marked(self, convs: list[list[dict[str, Any]]]) -> list[tuple[list[int], list[int]]]:
+        out = self.tok.apply_chat_template(
+            convs,
+            chat_template=self.template,
+            tokenize=True,
+            return_dict=True,
+            return_assistant_tokens_mask=True,
+            add_generation_prompt=False,
+        )
+        return list(zip(out["input_ids"], out["assistant_masks"], strict=True))

@@ -1,0 +1,62 @@
+"""Planning alongside capture: a driver thread that streams the plan into the store and feeds
+each group of planned shards to the queue as it becomes visible, so workers (whose servers
+start meanwhile) capture the first shards while the rest is still being planned."""
+
+from __future__ import annotations
+
+import threading
+import time
+from typing import Any
+
+import ray
+
+from cluster.config import JobConfig
+from cluster.job_store import plan_into
+from cluster.report import ProgressMeter
+from store.builder import StoreBuilder
+from store.format import Shard
+
+
+class PlanFeed(threading.Thread):
+    def __init__(
+        self,
+        builder: StoreBuilder,
+        config: JobConfig,
+        queue: Any,
+        meter: ProgressMeter,
+        planners: int,
+        say: Any = print,
+    ) -> None:
+        super().__init__(daemon=True, name="plan-feed")
+        self.builder, self.config, self.queue, self.meter = builder, config, queue, meter
+        self.planners, self.say = planners, say
+        self.error: BaseException | None = None
+        self.started_at = self.finished_at = None  # wall clock (time.time), for the report
+        self._began = time.monotonic()
+        self.seconds: float | None = None
+
+    def run(self) -> None:
+        self.started_at = time.time()
+        try:
+            plan_into(self.builder, self.config, self.planners, self._feed, self.say)
+            ray.get(self.queue.close.remote())  # only now can the job be finished
+        except BaseException as exc:  # the driver's watch loop raises it
+            self.error = exc
+        finally:
+            self.finished_at = time.time()
+            self.seconds = time.monotonic() - self._began
+            self.meter.planning = False
+
+    def _feed(self, shards: list[Shard]) -> None:
+        ray.get(self.queue.add.remote([sh.index for sh in shards]))
+        self.meter.total_samples += sum(sh.sample_end - sh.sample_begin for sh in shards)
+        self.meter.total_tokens += sum(sh.token_end - sh.token_begin for sh in shards)
+
+    def record(self) -> dict[str, Any]:
+        """For the final report: when planning ran, and with how many planners."""
+        return {
+            "planners": self.planners,
+            "started_at": self.started_at,
+            "finished_at": self.finished_at,
+            "seconds": None if self.seconds is None else round(self.seconds, 3),
+        }
