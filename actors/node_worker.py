@@ -78,7 +78,7 @@ class WorkerConfig:
     rid_prefix: str = "hsx-"
     max_pending_bytes: int = 4 << 30
     writer_threads: int = 2
-    idle_poll_seconds: float = 1.0  # nothing to lease: ask again this often
+    idle_poll_seconds: float = 1.0  # nothing to lease: ask again after this, backing off
     fence_timeout: float = 600.0  # a claimant waits this long for a former holder's write
 
 
@@ -124,16 +124,21 @@ class NodeWorker:
         try:
             self._check_model()
             self._start_server()
+            idle = 0  # polls in a row that found nothing
             while True:
                 lease = ray.get(self.queue.acquire.remote(self.id))
                 if lease is not None:
+                    idle = 0
                     summaries.append(self._process(lease))
                 elif ray.get(self.queue.finished.remote()):
                     break
                 else:
                     self.phase = "idle"
                     self.progress = {"shard": None, "written": 0, "failed": 0}
-                    time.sleep(self.config.idle_poll_seconds)
+                    # Backing off (1x, 2x, 4x): a thousand idle nodes at a job's tail or
+                    # ahead of its plan stay a small share of what one queue answers.
+                    time.sleep(self.config.idle_poll_seconds * 2 ** min(idle, 2))
+                    idle += 1
         except BaseException as exc:
             self.shutdown(keep_log=True)
             exc.add_note(f"worker {self.id}: the SGLang server's log is kept at {self.server_log}")
@@ -262,7 +267,17 @@ class NodeWorker:
 
     def _process(self, lease: Lease) -> dict[str, Any]:
         if lease.shard >= len(self.store.shards):  # planned after this worker opened the store
-            self.store.refresh()
+            try:
+                self.store.refresh()
+            except Exception as exc:  # e.g. a failed GET: the shard goes back, the worker stays
+                cause = f"cannot read shard {lease.shard}'s plan: {type(exc).__name__}: {exc}"
+            else:
+                planned = lease.shard < len(self.store.shards)
+                cause = None if planned else f"shard {lease.shard} is not in the store's plan"
+            if cause is not None:
+                ray.get(self.queue.release.remote(lease.lease_id, cause))
+                logger.warning("worker %s: %s", self.id, cause)
+                return {"shard": lease.shard, "worker": self.id, "left": cause}
         shard = self.store.shards[lease.shard]
         started = time.monotonic()
         self.phase = "working"

@@ -330,9 +330,13 @@ class ShardWriter:
             "chunk_write_seconds": round(self.chunk_seconds, 4),
             "wall_seconds": round(time.perf_counter() - self._started, 4),
         }
+        # One fenced block per store request: the time fence bounds each write by the margin
+        # (cluster/shard_queue.py), so a block must not chain several.
         with self.fence.writing():
             array("sample_status")[sh.sample_begin : sh.sample_end] = self._status
+        with self.fence.writing():
             array("shard_summary")[sh.index] = json.dumps(stored)
+        with self.fence.writing():
             array("shard_committed")[sh.index] = 1  # the commit marker, last
         self._stopped = True
         self._drop_spill()

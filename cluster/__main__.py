@@ -20,6 +20,7 @@ import sys
 from cluster.config import ConfigError, load_config
 from cluster.job_store import ResumeConflict
 from cluster.plan import PlanError
+from store.builder import PlanDiverged
 from store.format import StoreFormatError
 from store.location import StoreAccessError
 
@@ -70,7 +71,14 @@ def main(argv: list[str] | None = None) -> int:
         from cluster.driver import run_job  # Ray and SGLang load only for a valid config
 
         return run_job(config, say=lambda text: print(text, flush=True))
-    except (ConfigError, ResumeConflict, PlanError, StoreFormatError, StoreAccessError) as exc:
+    except (
+        ConfigError,
+        ResumeConflict,
+        PlanError,
+        PlanDiverged,
+        StoreFormatError,
+        StoreAccessError,
+    ) as exc:
         print(f"error: {exc}", file=sys.stderr, flush=True)
         return 2
 

@@ -178,8 +178,8 @@ class DriverConfig(_Section):
     finish_grace_s: float = Field(60.0, ge=0)
     # With no usable GPU node at all, wait this long for one to join before giving up.
     node_wait_s: float = Field(300.0, ge=0)
-    # Parts of the data planned at once (Ray tasks spread over the cluster); null: the
-    # cluster's CPUs. The plan is the same whatever the number.
+    # Parts of the data planned at once, as Ray tasks on the nodes that hold every input at
+    # its path; null: one per CPU of those nodes. The plan is the same whatever the number.
     planners: int | None = Field(None, ge=1)
 
 

@@ -121,12 +121,14 @@ class Driver:
                 planning=builder is not None,
             )
             if builder is not None:
-                planners = self.config.driver.planners or int(ray.cluster_resources()["CPU"])
+                planners = self.config.driver.planners  # None: every CPU that holds the data
                 feed = PlanFeed(builder, self.config, queue, meter, planners, self.say)
                 feed.start()  # workers start below meanwhile
             try:
                 status = self._watch(queue, worker_config(self.config), meter, feed)
             finally:
+                if feed is not None and feed.is_alive():
+                    feed.stop()
                 ray.kill(queue)
         summaries = status.summaries if status else {}
         report = build_report(

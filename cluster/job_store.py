@@ -12,6 +12,7 @@ two jobs' rows in one store would be silent corruption.
 from __future__ import annotations
 
 import shutil
+import threading
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -19,10 +20,19 @@ from typing import Any
 import zarr.errors
 
 from cluster.config import JobConfig
-from cluster.plan import PartEnd, PlanStream, Reject, chat_template_text, source_hashes
+from cluster.plan import (
+    PartEnd,
+    PlanError,
+    PlanStream,
+    Reject,
+    chat_template_text,
+    source_hashes,
+)
 from store.builder import StoreBuilder
 from store.format import Manifest, Shard, Store, StoreIncomplete, make_manifest
 from store.layers import expected_capture
+
+PROJECT_AFTER_PARTS = 8  # planned parts after which the storage estimate is projected
 
 # Manifest fields a resume may differ in: where the model lives is not what it is (its hashes),
 # and a schema-3 store (planned whole) takes the same rows as a schema-4 one.
@@ -76,17 +86,14 @@ def describe_capture(manifest: Manifest, store_url: str) -> str:
     )
 
 
-def describe_plan(
-    manifest: Manifest, samples: int, tokens: int, rejected: list[dict[str, str]], store_url: str
-) -> str:
+def describe_estimate(manifest: Manifest, samples: int, tokens: int, store_url: str) -> str:
     estimate = storage_estimate(manifest, tokens)
     total = sum(estimate.values())
     shards = -(-samples // manifest.samples_per_shard)
     lines = [
-        f"plan: {samples} samples ({len(rejected)} rejected), {tokens:,} tokens, {shards} shards",
-        f"storage estimate: {total / 1e9:.3f} GB before compression "
-        f"(aux {estimate['aux_hidden_states'] / 1e9:.3f} GB, "
-        f"final {estimate['final_hidden_states'] / 1e9:.3f} GB) at {store_url}",
+        f"{samples} samples, {tokens:,} tokens, {shards} shards; storage estimate "
+        f"{total / 1e9:.3f} GB before compression (aux {estimate['aux_hidden_states'] / 1e9:.3f}"
+        f" GB, final {estimate['final_hidden_states'] / 1e9:.3f} GB) at {store_url}"
     ]
     local = Path(store_url) if "://" not in store_url else None
     if local is not None:
@@ -94,6 +101,16 @@ def describe_plan(
         free = shutil.disk_usage(parent).free
         if free < total:
             lines.append(f"WARNING: only {free / 1e9:.1f} GB free at {parent}")
+    return "\n".join(lines)
+
+
+def describe_plan(
+    manifest: Manifest, samples: int, tokens: int, rejected: list[dict[str, str]], store_url: str
+) -> str:
+    lines = [
+        f"plan: {describe_estimate(manifest, samples, tokens, store_url)}",
+        f"rejected: {len(rejected)} rows",
+    ]
     for r in rejected[:10]:
         lines.append(f"  rejected {r['sample_id']}: {r['reason']}")
     if len(rejected) > 10:
@@ -144,31 +161,50 @@ def open_or_create(config: JobConfig, say: Any = print) -> tuple[Store, bool, St
 def plan_into(
     builder: StoreBuilder,
     config: JobConfig,
-    planners: int,
+    planners: int | None,
     on_shards: Callable[[list[Shard]], None],
     say: Any = print,
+    stop: threading.Event | None = None,
 ) -> None:
     """Plan the job's data into the store, handing each group of shards to `on_shards` as it
-    becomes visible (the queue), and the storage estimate to `say` at the end."""
+    becomes visible (the queue), and the storage estimate to `say` (projected early, exact at
+    the end). `planners`: as PlanStream's (0: in this process; None: every CPU of the nodes
+    that hold the data). Setting `stop` ends it before its next store write."""
     stream = PlanStream(
         config.data, config.model.path, config.model.trust_remote_code, planners=planners
     )
     rejected: list[dict[str, str]] = []
+    # Parts are of about equal size: a few of them project the whole early, before capture
+    # has written much (the exact estimate follows at the end).
+    project_at = min(PROJECT_AFTER_PARTS, len(stream.parts) - 1)
     for item in stream:
+        if stop is not None and stop.is_set():  # the job ended first: the store stays unplanned
+            return
         if isinstance(item, Reject):
             rejected.append(item.to_json())
             continue
         if isinstance(item, PartEnd):  # the stream may wait on a slow part: planned ones go out
             shards = builder.flush()
+            if stream.parts_done == project_at:
+                scale = len(stream.parts) / stream.parts_done
+                projected = (round(stream.accepted * scale), round(stream.tokens * scale))
+                say(
+                    f"plan, projected from its first {stream.parts_done} of {len(stream.parts)} "
+                    f"parts: {describe_estimate(builder.m, *projected, config.store.url)}"
+                )
         else:
             shards = builder.add(item.sample_id, item.input_ids, item.loss_mask)
         if shards:
             on_shards(shards)
     if not stream.accepted:
-        raise ValueError(f"no usable samples: all {len(rejected)} rows were rejected")
+        raise PlanError(f"no usable samples: all {len(rejected)} rows were rejected")
     if shards := builder.finish(rejected):
         on_shards(shards)
-    say(describe_plan(builder.m, stream.accepted, stream.tokens, rejected, config.store.url))
+    where = f" on {len(stream.nodes)} node(s)" if stream.nodes else " in the driver"
+    say(
+        describe_plan(builder.m, stream.accepted, stream.tokens, rejected, config.store.url)
+        + f"\nplanned {len(stream.parts)} parts{where}"
+    )
 
 
 def changed_sources(paths: list[str], planned: list[str] | None, now: list[str]) -> list[str]:

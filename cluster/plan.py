@@ -6,9 +6,10 @@
 
 Planning is data-parallel: the inputs are cut into parts (cluster/plan_sources.py: byte ranges
 of JSONL, row groups of Parquet, row ranges of datasets) and each part is read, checked,
-templated and tokenized by a Ray task anywhere in the cluster (`planners` at a time; 0: in this
-process). Results are consumed in part order, so ids, duplicates and the store are the same
-whatever the parallelism; only the ids seen so far and `planners` parts stay in memory.
+templated and tokenized by a Ray task on a node that holds the inputs at their paths (the
+nodes are probed first; `planners` parts at a time, default one per CPU of those nodes; 0: in
+this process). Results are consumed in part order, so ids, duplicates and the store are the
+same whatever the parallelism; only the ids seen so far and `planners` parts stay in memory.
 `source_hashes(data)` and `chat_template_text(data, model_path)` give the sources' sha256 and
 `plan.chat_template` without planning, for resume checks.
 
@@ -226,17 +227,19 @@ def plan_part(part: Part, data_json: str, model_path: str, trust_remote_code: bo
 
 class PlanStream:
     """The plan as a stream of `Sample`s and `Reject`s in input order, with a `PartEnd` after
-    each part's (a consumer may wait long for the next part); after it is exhausted,
-    `sources` holds each input's record (path, format, sha256, rows) and `chat_template` is
-    set. `planners`: parts planned at once as Ray tasks spread over the cluster (0: in this
-    process, one at a time)."""
+    each part's (a consumer may wait long for the next part); after it is exhausted, `sources`
+    holds each input's record (path, format, rows) and `chat_template` is set.
+
+    `planners`: 0 plans in this process, one part at a time; otherwise parts are planned as Ray
+    tasks, that many at once (None: one per CPU of those nodes), on the nodes that hold every
+    input at its path (found first; `nodes` lists them), round robin."""
 
     def __init__(
         self,
         data: DataConfig,
         model_path: str | Path,
         trust_remote_code: bool = False,
-        planners: int = 0,
+        planners: int | None = 0,
     ) -> None:
         self.data, self.planners = data, planners
         self._args = (data.model_dump_json(), str(model_path), trust_remote_code)
@@ -245,6 +248,9 @@ class PlanStream:
         self.chat_template = encoder.template
         self.sources: list[dict[str, Any]] = []
         self.accepted = self.rejected = self.tokens = 0
+        self.parts = list(split_parts(self._sources, data))  # of about equal size each
+        self.parts_done = 0
+        self.nodes: list[str] = []  # the Ray nodes planning runs on (none: this process)
 
     def __iter__(self) -> Iterator[Sample | Reject | PartEnd]:
         first_seen: dict[str, str] = {}  # sample id -> the location of its first row
@@ -277,12 +283,12 @@ class PlanStream:
                 yield Sample(sample_id, result.input_ids[tokens], result.loss_mask[tokens])
             numbers[part.source] += result.numbers
             counts[part.source] += len(result.rows)
+            self.parts_done += 1
             yield PartEnd()
-        for src, count in zip(self._sources, counts, strict=True):
-            sha256 = sha256_source(src.path)
-            self.sources.append(
-                {"path": str(src.path), "format": src.format, "sha256": sha256, "rows": count}
-            )
+        self.sources = [
+            {"path": str(src.path), "format": src.format, "rows": count}
+            for src, count in zip(self._sources, counts, strict=True)
+        ]
         log.info(
             "plan: %d samples accepted, %d rejected, %d tokens",
             self.accepted,
@@ -292,21 +298,59 @@ class PlanStream:
 
     def _results(self) -> Iterator[tuple[Part, PartResult]]:
         """Each part's result, in part order, with at most `planners` parts in flight."""
-        parts = split_parts(self._sources, self.data)
-        if self.planners <= 0:
-            for part in parts:
+        if self.planners == 0:
+            for part in self.parts:
                 yield part, plan_part(part, *self._args)
             return
         import ray
+        from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-        task = ray.remote(num_cpus=0, scheduling_strategy="SPREAD")(plan_part)
+        cpus = _nodes_holding([str(src.path) for src in self._sources])
+        self.nodes = sorted(cpus)
+        at_once = self.planners or sum(cpus.values())
+        # No CPU reserved: the window bounds how many run, and a task never keeps a worker
+        # from being placed on its node.
+        task = ray.remote(num_cpus=0)(plan_part)
         window: deque[tuple[Part, Any]] = deque()
-        for part in parts:
-            window.append((part, task.remote(part, *self._args)))
-            if len(window) >= self.planners:
+        for k, part in enumerate(self.parts):
+            node = NodeAffinitySchedulingStrategy(self.nodes[k % len(self.nodes)], soft=False)
+            window.append((part, task.options(scheduling_strategy=node).remote(part, *self._args)))
+            if len(window) >= at_once:
                 yield _get(*window.popleft())
         while window:
             yield _get(*window.popleft())
+
+
+def _nodes_holding(paths: list[str]) -> dict[str, int]:
+    """The alive Ray nodes with CPUs where every path exists, with their CPU counts. Raises
+    PlanError naming the paths when no node has them all."""
+    import ray
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    nodes = {
+        n["NodeID"]: int(n["Resources"]["CPU"])
+        for n in ray.nodes()
+        if n["Alive"] and n["Resources"].get("CPU", 0) >= 1
+    }
+    probe = ray.remote(num_cpus=0)(_all_exist)
+    found = ray.get(
+        [
+            probe.options(scheduling_strategy=NodeAffinitySchedulingStrategy(n, soft=False)).remote(
+                paths
+            )
+            for n in nodes
+        ]
+    )
+    holding = {n: cpus for (n, cpus), ok in zip(nodes.items(), found, strict=True) if ok}
+    if not holding:
+        raise PlanError(f"no Ray node can read every input at its path: {paths}")
+    if len(holding) < len(nodes):
+        log.info("planning on the %d of %d nodes that hold the inputs", len(holding), len(nodes))
+    return holding
+
+
+def _all_exist(paths: list[str]) -> bool:
+    return all(Path(p).exists() for p in paths)
 
 
 def _get(part: Part, ref: Any) -> tuple[Part, PartResult]:
@@ -322,7 +366,10 @@ def _get(part: Part, ref: Any) -> tuple[Part, PartResult]:
 
 
 def build_plan(
-    data: DataConfig, model_path: str | Path, trust_remote_code: bool = False, planners: int = 0
+    data: DataConfig,
+    model_path: str | Path,
+    trust_remote_code: bool = False,
+    planners: int | None = 0,
 ) -> Plan:
     """The whole plan in memory (tests, tools, small jobs; the driver streams instead)."""
     stream = PlanStream(data, model_path, trust_remote_code, planners)
@@ -334,4 +381,5 @@ def build_plan(
             ids.append(item.sample_id)
             input_ids.append(item.input_ids)
             masks.append(item.loss_mask)
-    return Plan(ids, input_ids, masks, rejected, stream.sources, stream.chat_template)
+    sources = [{**src, "sha256": sha256_source(Path(src["path"]))} for src in stream.sources]
+    return Plan(ids, input_ids, masks, rejected, sources, stream.chat_template)

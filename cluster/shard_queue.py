@@ -12,14 +12,15 @@ runs: `more_coming=True`, then `add` them and `close`; the queue is `finished` o
 Exactly one lease's rows become visible, though the store cannot check leases: stale holders
 are fenced by time. A holder starts a store write only before its local deadline, (when it
 *asked* for its last successful renewal) + lease - margin on its own monotonic clock
-(actors/lease_keeper.py), and every write ends within W < margin (the store client's timeouts,
-checked by the job config). The queue keeps each lease's *write window* open until its expiry +
+(actors/lease_keeper.py), and every fenced write (one or two store requests) ends within W:
+each request within the store client's timeouts and retries, which the job config checks are
+below margin, so W < 2 margin. The queue keeps each lease's *write window* open until its expiry +
 margin on the queue's clock (expiry: the queue's receipt of the last renewal + lease), or until
 the holder says it writes nothing more (`stopped`, sent only once all its writes returned) or
 completes. A lease is issued `deferred` when another lease of its shard has an open window, and a
 tail duplicate always: a deferred holder keeps its rows in a spill directory and writes only after
-its claim. `claim` answers lost, or won with the seconds until every other lease's window is
-closed; the claimant writes only once a claim says 0.
+its claim, so its window opens only when it wins one. `claim` answers lost, or won with the
+seconds until every other lease's window is closed; the claimant writes only once a claim says 0.
 
 Why no stale write lands in a committed shard. Assumed: each monotonic clock runs at real rate
 within a factor 1 +- r (no synchronised clocks); a write started at real time t has landed, or
@@ -160,6 +161,8 @@ class ShardQueue:
             self._queued.discard(shard)
             # A former holder may still be writing it (within its window): defer.
             return self._issue(shard, worker, deferred=bool(self._open_windows(shard)))
+        if not self._closed:  # planning is behind capture: not the tail yet
+            return None
         straggler = self._straggler(worker)
         return None if straggler is None else self._issue(straggler, worker, deferred=True)
 
@@ -184,6 +187,7 @@ class ShardQueue:
         if self._claims.get(shard, lease_id) != lease_id or shard in self._completed:
             return Claim(False)
         self._claims[shard] = lease_id
+        self._renew(self._held[lease_id])  # a deferred lease's window opens with its claim
         for other in self._holders[shard] - {lease_id}:
             self._drop(other)  # revoked; its window stays open until it stops or ends
         ends = self._open_windows(shard, but=lease_id)
@@ -265,8 +269,11 @@ class ShardQueue:
     def _renew(self, held: _Held) -> None:
         held.expires = self._clock() + self._lease_seconds
         heapq.heappush(self._expiries, (held.expires, held.lease.lease_id))
-        windows = self._windows.setdefault(held.lease.shard, {})
-        windows[held.lease.lease_id] = held.expires + self._margin
+        lease = held.lease
+        if lease.deferred and self._claims.get(lease.shard) != lease.lease_id:
+            return  # it writes nothing before it wins the claim: no window to keep open
+        windows = self._windows.setdefault(lease.shard, {})
+        windows[lease.lease_id] = held.expires + self._margin
 
     def _drop(self, lease_id: str) -> _Held | None:
         """No longer live (its window is left as it is)."""

@@ -56,6 +56,7 @@ class StoreBuilder:
         self.store = store
         self.m = store.manifest
         self._verify_below = done_shards  # shards already in the store: checked, not written
+        self._stored_digests: np.ndarray | None = None  # theirs, read at the first check
         self._pending: list[tuple[str, np.ndarray, np.ndarray]] = []  # the open shard's samples
         self._ready: list[tuple[Shard, list[tuple[str, np.ndarray, np.ndarray]]]] = []
         # The stream always starts from the first sample: on a resume, shards below
@@ -152,9 +153,9 @@ class StoreBuilder:
             self._close_shard()
         shards = self.flush()
         planned = self.store.shards
-        if self._verify_below > len(planned):
+        if self._shards < self._verify_below:
             raise PlanDiverged(
-                f"the plan now ends at shard {len(planned)}; the store holds "
+                f"the plan now ends at shard {self._shards}; the store holds "
                 f"{self._verify_below} planned shards"
             )
         n = planned[-1].sample_end if planned else 0
@@ -170,9 +171,8 @@ class StoreBuilder:
         """Write the closed shards' plan rows, then their digests; returns them."""
         ready, self._ready = self._ready, []
         new = [(sh, samples) for sh, samples in ready if sh.index >= self._verify_below]
-        for sh, samples in ready:
-            if sh.index < self._verify_below:
-                self._check_planned(sh, samples)
+        if old := [(sh, samples) for sh, samples in ready if sh.index < self._verify_below]:
+            self._check_planned(old)
         if not new:
             return []
         first, last = new[0][0], new[-1][0]
@@ -218,15 +218,26 @@ class StoreBuilder:
             raise PlanDiverged(f"shard {shard.index}: planned samples differ from the store's")
         self._ready.append((shard, samples))
 
-    def _check_planned(self, shard: Shard, samples: list[tuple[str, np.ndarray, np.ndarray]]):
-        ids = np.concatenate([s[1] for s in samples])
-        mask = np.concatenate([s[2] for s in samples])
-        stored = str(self.store.array("shard_plan_sha256")[shard.index])
-        names = self.store.array("sample_id")[shard.sample_begin : shard.sample_end].tolist()
-        if plan_digest(ids, mask) != stored or names != [s[0] for s in samples]:
-            raise PlanDiverged(
-                f"shard {shard.index}: the inputs no longer give the rows the store planned"
-            )
+    def _check_planned(self, ready: list[tuple[Shard, list[tuple[str, np.ndarray, np.ndarray]]]]):
+        """Shards the store already holds (a resume) against what was planned again: their
+        digests (read once) and their sample ids (read per group)."""
+        if self._stored_digests is None:
+            digests = self.store.array("shard_plan_sha256")[: self._verify_below]
+            self._stored_digests = np.asarray(digests)
+        first, last = ready[0][0], ready[-1][0]
+        names = self.store.array("sample_id")[first.sample_begin : last.sample_end].tolist()
+        for shard, samples in ready:
+            ids = np.concatenate([s[1] for s in samples])
+            mask = np.concatenate([s[2] for s in samples])
+            stored = names[
+                shard.sample_begin - first.sample_begin : shard.sample_end - first.sample_begin
+            ]
+            if plan_digest(ids, mask) != self._stored_digests[shard.index] or stored != [
+                s[0] for s in samples
+            ]:
+                raise PlanDiverged(
+                    f"shard {shard.index}: the inputs no longer give the rows the store planned"
+                )
 
     def _resize(self, tokens: int, samples: int, shards: int, exact: bool) -> None:
         """Grow (doubling, ahead of need) or, once `exact`, trim every array; chunks stay."""

@@ -301,6 +301,28 @@ def create_store(
     return builder.store
 
 
+class _Growing:
+    """An int64 array appended to in place, its capacity doubling as it grows."""
+
+    def __init__(self, values: np.ndarray) -> None:
+        self._data = np.asarray(values, np.int64).copy()
+        self._size = len(self._data)
+
+    def extend(self, values: Sequence[int] | np.ndarray) -> None:
+        values = np.asarray(values, np.int64)
+        need = self._size + len(values)
+        if need > len(self._data):
+            grown = np.empty(max(need, 2 * len(self._data)), np.int64)
+            grown[: self._size] = self._data[: self._size]
+            self._data = grown
+        self._data[self._size : need] = values
+        self._size = need
+
+    @property
+    def values(self) -> np.ndarray:
+        return self._data[: self._size]
+
+
 class Store:
     """A thin handle on an existing store, for the driver, the workers and readers. While the
     plan is still being streamed in (`planned` False), it holds the shards planned when it was
@@ -316,7 +338,7 @@ class Store:
         planned: bool = True,
     ) -> None:
         self.group, self.manifest, self.shards = group, manifest, shards
-        self.sample_start, self.sample_length = sample_start, sample_length
+        self._starts, self._lengths = _Growing(sample_start), _Growing(sample_length)
         self.planned = planned
         self._arrays: dict[str, zarr.Array] = {}
 
@@ -342,7 +364,7 @@ class Store:
             )
         planned = manifest.schema_version < 4 or attrs.get("planned") is True
         store = cls(group, manifest, [], np.zeros(0, np.int64), np.zeros(0, np.int64), planned)
-        store._read_planned(str(url))
+        store._read_planned(str(url), planned)
         return store
 
     @classmethod
@@ -360,10 +382,11 @@ class Store:
         self._arrays.clear()
         mode = "r" if self.group.store.read_only else "r+"
         self.group = zarr.open_group(store=self.group.store, mode=mode, zarr_format=3)
-        self.planned = self.group.attrs.get("planned") is True
-        self._read_planned(str(self.group.store))
+        planned = self.group.attrs.get("planned") is True
+        self._read_planned(str(self.group.store), planned)
+        self.planned = planned  # only once read: a failed read leaves it to be tried again
 
-    def _read_planned(self, url: str) -> None:
+    def _read_planned(self, url: str, planned: bool) -> None:
         """Append the shards planned beyond those this handle holds: those whose
         `shard_plan_sha256` is written (a shard's digest is written after its rows)."""
         done = len(self.shards)
@@ -372,7 +395,7 @@ class Store:
         if count == 0:
             return
         n0 = int(self.shards[-1].sample_end) if self.shards else 0
-        if self.planned:
+        if planned:
             lengths = np.asarray(self.array("sample_length")[n0:], np.int64)
         else:  # full shards but perhaps the last; unplanned samples read as 0
             lengths = np.asarray(
@@ -394,10 +417,20 @@ class Store:
         self.extend(shards, starts, lengths)
 
     def extend(self, shards: list[Shard], starts: Sequence[int], lengths: Sequence[int]) -> None:
-        """Shards planned after this handle's (by the builder, or read by `refresh`)."""
-        self.shards = [*self.shards, *shards]
-        self.sample_start = np.concatenate([self.sample_start, np.asarray(starts, np.int64)])
-        self.sample_length = np.concatenate([self.sample_length, np.asarray(lengths, np.int64)])
+        """Shards planned after this handle's (by the builder, or read by `refresh`). The
+        per-sample arrays grow in place, doubling their capacity: extending group by group
+        costs O(samples) in all, not O(samples x groups)."""
+        self.shards.extend(shards)
+        self._starts.extend(starts)
+        self._lengths.extend(lengths)
+
+    @property
+    def sample_start(self) -> np.ndarray:
+        return self._starts.values
+
+    @property
+    def sample_length(self) -> np.ndarray:
+        return self._lengths.values
 
     def array(self, name: str) -> zarr.Array:
         """The group's array `name`, opened once per handle: opening reads its metadata (an

@@ -151,7 +151,7 @@ def assert_exactly_once(store: Store, rows: list[dict[str, Any]], model: Path) -
     assert all(not s["failed"] for s in summaries)
 
 
-def slow_template(model: Path, path: Path, seconds: float = 90) -> Path:
+def slow_template(model: Path, path: Path, seconds: float = 240) -> Path:
     """The model's own template, rendering the same text, but ~`seconds` of CPU (on an idle
     core) on a conversation that opens with "slow": a part that takes long to plan."""
     loops = int(seconds * 1e9 / 60 / 100_000)  # ~60 ns per Jinja loop step, measured here
@@ -164,30 +164,16 @@ def slow_template(model: Path, path: Path, seconds: float = 90) -> Path:
 
 
 def test_two_nodes_write_every_sample_once_matching_plan_and_reference_and_reject_bad_rows(
-    two_nodes: Cluster, deepseek_path: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    two_nodes: Cluster, deepseek_path: Path, tmp_path: Path
 ) -> None:
     rows = write_prompts(tmp_path / "prompts.jsonl", 12, bad=True)
-    # Last, in a part of its own: a row whose planning outlasts the servers' startup.
-    slow = {
-        "id": "slow",
-        "messages": [{"role": "user", "content": "slow?"}, *rows[0]["messages"][1:]],
-    }
-    with (tmp_path / "prompts.jsonl").open("a") as f:
-        f.write(json.dumps(slow) + "\n")
-    rows.append(slow)
-    monkeypatch.setattr(plan_sources, "PART_BYTES", 400)  # parts of a few rows each
     raw = job_config(deepseek_path, tmp_path / "prompts.jsonl", tmp_path / "s.zarr", tmp_path)
-    raw["data"]["chat_template"] = str(slow_template(deepseek_path, tmp_path / "slow.jinja"))
     log: list[str] = []
 
     assert run_job(parse_config(raw), say=log.append) == 0
 
     store = Store.open(tmp_path / "s.zarr")
     assert_exactly_once(store, rows, deepseek_path)
-    # Capture started on the first planned shards while the slow part was still being planned.
-    planning = store.group.attrs["report"]["run"]["planning"]
-    first_commit = min(store.summary(k)["finished_at"] for k in range(len(store.shards)))
-    assert first_commit < planning["finished_at"], (planning, first_commit)
     reasons = {r["sample_id"]: r["reason"] for r in store.rejected}
     assert set(reasons) == {*BAD_LINES, "prompts.jsonl:6"}, reasons
     assert "256" in reasons["bad-long"] and "malformed JSON" in reasons["prompts.jsonl:6"]
@@ -215,9 +201,16 @@ def test_planning_on_two_nodes_gives_the_store_planning_in_one_process_gives(
     config = parse_config(raw)
     _, _, builder = open_or_create(config, say=lambda _: None)
     fed: list[int] = []
-    plan_into(builder, config, 3, lambda shards: fed.extend(sh.index for sh in shards))
+    said: list[str] = []
+    plan_into(builder, config, 3, lambda shards: fed.extend(sh.index for sh in shards), said.append)
 
     plan = build_plan(config.data, deepseek_path)  # in this process, in one go
+    # The storage estimate: projected early from the first parts, then exact.
+    projected, final = [line for line in said if line.startswith("plan")]
+    assert projected.startswith("plan, projected from its first 8 of ") and "GB" in projected
+    assert final.startswith(f"plan: {len(plan.sample_ids)} samples, {plan.total_tokens:,} tokens")
+    projected_samples = int(projected.split("parts: ")[1].split()[0])
+    assert 0.5 * len(plan.sample_ids) < projected_samples < 1.5 * len(plan.sample_ids)
     manifest = manifest_for(config, plan.chat_template)
     ref = create_store(
         tmp_path / "ref.zarr",
@@ -237,10 +230,22 @@ def test_planning_on_two_nodes_gives_the_store_planning_in_one_process_gives(
 
 
 def test_two_servers_on_one_node_and_a_killed_one_is_replaced_in_its_slot_exactly_once(
-    two_nodes: Cluster, deepseek_path: Path, tmp_path: Path
+    two_nodes: Cluster, deepseek_path: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    """Also: capture starts on the first planned shards while the rest is still planned."""
     rows = write_prompts(tmp_path / "prompts.jsonl", 30)
+    # Last, in a part of its own: a row whose planning outlasts the servers' startup (the kill
+    # and the replacement's startup make this job as long anyway).
+    slow = {
+        "id": "slow",
+        "messages": [{"role": "user", "content": "slow?"}, *rows[0]["messages"][1:]],
+    }
+    with (tmp_path / "prompts.jsonl").open("a") as f:
+        f.write(json.dumps(slow) + "\n")
+    rows.append(slow)
+    monkeypatch.setattr(plan_sources, "PART_BYTES", 400)  # parts of a few rows each
     raw = job_config(deepseek_path, tmp_path / "prompts.jsonl", tmp_path / "s.zarr", tmp_path)
+    raw["data"]["chat_template"] = str(slow_template(deepseek_path, tmp_path / "slow.jinja"))
     raw["worker"].update(node_resource=PAIR_NODE, servers_per_node=2)  # one (CPU) node
     log: list[str] = []
     driver = Driver(parse_config(raw), say=log.append)
@@ -251,6 +256,7 @@ def test_two_servers_on_one_node_and_a_killed_one_is_replaced_in_its_slot_exactl
     while not (store_committed(tmp_path / "s.zarr") >= 1 and driver.workers):
         assert time.monotonic() < deadline and thread.is_alive(), "no shard was committed"
         time.sleep(0.2)
+    planning_when_captured = not Store.open(tmp_path / "s.zarr").planned
     victim = next(iter(driver.workers.values()))
     ray.kill(victim.handle, no_restart=True)
     thread.join(600)
@@ -258,6 +264,10 @@ def test_two_servers_on_one_node_and_a_killed_one_is_replaced_in_its_slot_exactl
     assert result == [0], "\n".join(log)[-6000:]
     store = Store.open(tmp_path / "s.zarr")
     assert_exactly_once(store, rows, deepseek_path)
+    # A shard was committed while the plan was incomplete: seen here, and in the timestamps.
+    planning = store.group.attrs["report"]["run"]["planning"]
+    first_commit = min(store.summary(k)["finished_at"] for k in range(len(store.shards)))
+    assert planning_when_captured and first_commit < planning["finished_at"], (planning, log)
     lost = store.group.attrs["report"]["run"]["workers_lost"]
     assert [w["worker"] for w in lost] == [victim.worker_id]
     # Two slots on the head node; the replacement (the third worker) took the victim's.

@@ -52,6 +52,9 @@ def test_demo_job() -> None:
     # The demo tool's overrides apply on top.
     moved = load_config(RAY_CONFIGS / "demo_job.yaml", ["model.path=/abs/m", "store.url=/abs/s"])
     assert (moved.model.path, moved.store.url) == ("/abs/m", "/abs/s")
+    # `tools.demo --s3` runs it on object storage: its lease outlasts that store's write margin.
+    on_s3 = load_config(RAY_CONFIGS / "demo_job.yaml", ["store.url=s3://bucket/demo.zarr"])
+    assert on_s3.queue.lease_s > on_s3.margin_s == 210
 
 
 def _flag_value(args: list[str], flag: str) -> str:

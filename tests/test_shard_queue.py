@@ -201,6 +201,36 @@ def test_the_tail_reissues_a_straggler_deferred_and_the_first_claim_wins() -> No
     assert status.finished and status.summaries[slow.shard] == {"by": "fast"}
 
 
+def test_a_duplicate_that_has_not_claimed_delays_nobody() -> None:
+    """A deferred lease writes nothing before it wins a claim: the original holder claims
+    without waiting for it, and it learns at its next heartbeat that it lost."""
+    clock = Clock()
+    queue = ShardQueue([0, 1], lease_seconds=1000, margin_seconds=100, straggler_min_seconds=0,
+                       clock=clock)  # fmt: skip
+    slow = queue.acquire("slow")
+    finish(queue, "fast")
+    clock.now = 1
+    dup = queue.acquire("fast")
+    assert dup is not None and dup.deferred and dup.shard == slow.shard
+    assert queue.claim(slow.lease_id) == Claim(True, 0.0)
+    assert not queue.heartbeat(dup.lease_id)
+    assert queue.complete(slow.lease_id, {"by": "slow"})
+
+
+def test_no_straggler_duplicate_while_shards_are_still_being_planned() -> None:
+    """With the queue open, nothing pending means planning is behind, not the job's tail."""
+    clock = Clock()
+    queue = ShardQueue([0, 1], lease_seconds=1000, margin_seconds=100, straggler_min_seconds=0,
+                       more_coming=True, clock=clock)  # fmt: skip
+    slow = queue.acquire("slow")
+    finish(queue, "fast")
+    clock.now = 50
+    assert queue.acquire("fast") is None
+    queue.close()
+    dup = queue.acquire("fast")
+    assert dup is not None and dup.deferred and dup.shard == slow.shard
+
+
 def test_a_revoked_loser_never_writes_after_the_winners_commit() -> None:
     """Both holders through their keepers; the loser keeps writing until its next heartbeat, and
     every write it makes happens before the winner's claim returns 0."""
