@@ -131,14 +131,26 @@ def _after_last_special(text: str, special_tokens: Sequence[str]) -> int:
     return end
 
 
-def token_mask(spans: Sequence[Span], offsets: Sequence[tuple[int, int]]) -> np.ndarray:
-    """1 for every token whose characters overlap a span (offsets: the fast tokenizer's, in
-    order). Per span, by binary search: the tokens from the first that ends after its start
-    to the last that starts before its end."""
-    mask = np.zeros(len(offsets), np.uint8)
-    for start, end in spans:
-        first = bisect.bisect_right(offsets, start, key=operator.itemgetter(1))
-        stop = bisect.bisect_left(offsets, end, key=operator.itemgetter(0))
+def token_mask(spans: Sequence[Span], offsets: Any, count: int) -> np.ndarray:
+    """1 for every one of `count` tokens whose characters overlap a span. `offsets`: the fast
+    tokenizer's per-token (start, end), in order, or its Encoding, asked for the tokens at the
+    spans' edges only (converting every token's offsets to Python costs more than the rest)."""
+    if hasattr(offsets, "char_to_token"):
+        edges = [
+            (offsets.char_to_token(a), offsets.char_to_token(b - 1)) for a, b in spans if b > a
+        ]
+        if all(first is not None and last is not None for first, last in edges):
+            mask = np.zeros(count, np.uint8)
+            for first, last in edges:
+                mask[first : last + 1] = 1
+            return mask
+        offsets = offsets.offsets  # an edge on a character no token covers: the general way
+    mask = np.zeros(count, np.uint8)
+    for start, end in spans:  # from the first token ending after the start to the last one
+        if end <= start:
+            continue  # an empty turn with no end token: nothing to mark
+        first = bisect.bisect_right(offsets, start, key=operator.itemgetter(1))  # starting
+        stop = bisect.bisect_left(offsets, end, key=operator.itemgetter(0))  # before the end
         mask[first:stop] = 1
     return mask
 

@@ -128,7 +128,7 @@ class StoreBuilder:
         new("shard_summary", (0,), str, (1,), fill="")
         new("shard_plan_sha256", (0,), str, (PER_SHARD_BLOCK,), fill="")
         group.attrs["created"] = True  # the arrays exist: workers may open it from now on
-        return cls(Store.from_group(group, str(url)))
+        return cls(Store.from_group(group))
 
     @classmethod
     def resume(cls, store: Store) -> StoreBuilder:

@@ -368,7 +368,7 @@ class Store:
         return store
 
     @classmethod
-    def from_group(cls, group: zarr.Group, url: str) -> Store:
+    def from_group(cls, group: zarr.Group) -> Store:
         """The handle on a store just created (no shard planned yet)."""
         manifest = Manifest.from_json(group.attrs["manifest"])
         empty = np.zeros(0, np.int64)

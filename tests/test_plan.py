@@ -566,3 +566,23 @@ def test_plan_errors(tmp_path: Path, llama_path: Path) -> None:
     )
     with pytest.raises(PlanError, match="no split 'validation'"):
         plan_for(tmp_path / "dd", llama_path, split="validation")
+
+
+def test_token_masks_from_an_encoding_and_from_its_offsets_agree(tok: Any) -> None:
+    """Both ways the planner maps character spans to tokens (the fast tokenizer's encoding, asked
+    at the spans' edges; a list of every token's offsets) give the same mask, which covers
+    exactly the tokens overlapping each span."""
+    from cluster.loss_mask import token_mask
+
+    text = "<|im_start|>assistant\n\n\nthe answer is 42.<|im_end|>\n<|im_start|>user: why?"
+    encoding = tok.backend_tokenizer.encode(text, add_special_tokens=False)
+    n = len(encoding.ids)
+    content = text.index("\n\nthe")
+    spans = [(content, text.index("\n<|im_start|>user")), (text.index("why"), len(text))]
+    for some in ([], spans[:1], spans, [(5, 5)]):
+        by_edges = token_mask(some, encoding, n)
+        by_offsets = token_mask(some, encoding.offsets, n)
+        overlapping = [
+            int(any(s < b and e > a and b > a for a, b in some)) for s, e in encoding.offsets
+        ]
+        assert by_edges.tolist() == by_offsets.tolist() == overlapping, some
