@@ -31,7 +31,7 @@ class PlanFeed(threading.Thread):
         self.builder, self.config, self.queue, self.meter = builder, config, queue, meter
         self.planners, self.say = planners, say
         self.error: BaseException | None = None
-        self._stop = threading.Event()
+        self._halt = threading.Event()
         self.started_at = self.finished_at = None  # wall clock (time.time), for the report
         self._began = time.monotonic()
         self.seconds: float | None = None
@@ -39,8 +39,8 @@ class PlanFeed(threading.Thread):
     def run(self) -> None:
         self.started_at = time.time()
         try:
-            plan_into(self.builder, self.config, self.planners, self._feed, self.say, self._stop)
-            if not self._stop.is_set():
+            plan_into(self.builder, self.config, self.planners, self._feed, self.say, self._halt)
+            if not self._halt.is_set():
                 ray.get(self.queue.close.remote())  # only now can the job be finished
         except BaseException as exc:  # the driver's watch loop raises it
             self.error = exc
@@ -52,7 +52,7 @@ class PlanFeed(threading.Thread):
     def stop(self, timeout: float = 60.0) -> None:
         """End planning before its next store write (the job is over without it: no usable
         node, a placement error), so nothing changes the store under the final report."""
-        self._stop.set()
+        self._halt.set()
         self.join(timeout)
         if self.is_alive():
             self.say(f"planning did not stop within {timeout:.0f} s; reporting without it")
