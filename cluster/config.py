@@ -107,6 +107,9 @@ class StoreConfig(_Section):
     codec_level: int = Field(1, ge=1, le=22)
     samples_per_shard: int = Field(64, ge=1)  # one work shard = one lease = one commit
     chunk_tokens: int | None = Field(None, ge=1)  # null: ~32 MB of aux rows per chunk
+    # Keep the final norm's input (what vLLM speculators trains on) besides the post-norm state
+    # (SpecForge's): one more [T, H] array, +1/(num_aux + 1) of the hidden bytes.
+    prenorm: bool = True
 
 
 class WorkerConfigSection(_Section):

@@ -65,6 +65,7 @@ def manifest_for(config: JobConfig, chat_template: str | None) -> Manifest:
         chat_template=chat_template,
         codec=codec,
         chunk_tokens=config.store.chunk_tokens,
+        prenorm=config.store.prenorm,
     )
 
 
@@ -73,14 +74,15 @@ def storage_estimate(manifest: Manifest, tokens: int) -> dict[str, int]:
     itemsize = 2 if manifest.dtype == "bfloat16" else 4
     return {
         "aux_hidden_states": tokens * manifest.num_aux * manifest.hidden_size * itemsize,
-        "final_hidden_states": tokens * manifest.hidden_size * itemsize,
+        **{name: tokens * manifest.hidden_size * itemsize for name in manifest.hidden_arrays[1:]},
         "input_ids_and_loss_mask": tokens * 5,
     }
 
 
 def describe_capture(manifest: Manifest, store_url: str) -> str:
+    finals = ", ".join(manifest.final_states)
     return (
-        f"capture: layers {manifest.layer_ids} + final, hidden {manifest.hidden_size}, "
+        f"capture: layers {manifest.layer_ids} + final ({finals}), hidden {manifest.hidden_size}, "
         f"{manifest.dtype}, chunks of {manifest.chunk_tokens} tokens, codec {manifest.codec}, "
         f"shards of {manifest.samples_per_shard} samples, into {store_url}"
     )
@@ -89,11 +91,12 @@ def describe_capture(manifest: Manifest, store_url: str) -> str:
 def describe_estimate(manifest: Manifest, samples: int, tokens: int, store_url: str) -> str:
     estimate = storage_estimate(manifest, tokens)
     total = sum(estimate.values())
+    finals = sum(estimate[name] for name in manifest.hidden_arrays[1:])
     shards = -(-samples // manifest.samples_per_shard)
     lines = [
         f"{samples} samples, {tokens:,} tokens, {shards} shards; storage estimate "
         f"{total / 1e9:.3f} GB before compression (aux {estimate['aux_hidden_states'] / 1e9:.3f}"
-        f" GB, final {estimate['final_hidden_states'] / 1e9:.3f} GB) at {store_url}"
+        f" GB, final states {finals / 1e9:.3f} GB) at {store_url}"
     ]
     local = Path(store_url) if "://" not in store_url else None
     if local is not None:

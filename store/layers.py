@@ -78,7 +78,6 @@ def expected_capture(model_path: Path, requested: list[int] | None, dtype: str) 
     return {
         "layer_ids": layer_ids,
         "layer_convention": LAYER_CONVENTION,
-        "final_state": "post_norm",
         "hidden_size": num_layers_and_hidden(config)[1],
         "num_aux": len(layer_ids),
         "dtype": dtype,
