@@ -19,7 +19,7 @@ from typing import Any
 
 import zarr.errors
 
-from cluster.config import JobConfig
+from cluster.config import ConfigError, JobConfig
 from cluster.plan import (
     PartEnd,
     PlanError,
@@ -30,7 +30,7 @@ from cluster.plan import (
 )
 from store.builder import StoreBuilder
 from store.format import Manifest, Shard, Store, StoreIncomplete, make_manifest
-from store.layers import expected_capture
+from store.layers import LayerIdsError, expected_capture
 
 PROJECT_AFTER_PARTS = 8  # planned parts after which the storage estimate is projected
 
@@ -50,9 +50,13 @@ def job_spec(config: JobConfig, sources_sha256: list[str]) -> dict[str, Any]:
 
 
 def manifest_for(config: JobConfig, chat_template: str | None) -> Manifest:
-    capture = expected_capture(
-        Path(config.model.path), config.model.aux_layer_ids, config.model.dtype
-    )
+    """Raises ConfigError when model.aux_layer_ids name layers the model does not have."""
+    try:
+        capture = expected_capture(
+            Path(config.model.path), config.model.aux_layer_ids, config.model.dtype
+        )
+    except LayerIdsError as exc:
+        raise ConfigError(f"invalid job config:\n  model.aux_layer_ids: {exc}") from None
     codec = {"name": "none"}
     if config.store.codec == "zstd":
         codec = {"name": "zstd", "level": config.store.codec_level}

@@ -151,8 +151,9 @@ class Manifest:
             raise ValueError(f"dtype must be bfloat16 or float32, got {self.dtype!r}")
         if self.codec.get("name") not in ("zstd", "none"):
             raise ValueError(f"codec must be zstd or none, got {self.codec!r}")
-        if list(self.layer_ids) != sorted(self.layer_ids) or len(self.layer_ids) != self.num_aux:
-            raise ValueError(f"layer_ids {self.layer_ids} must be ascending, one per aux slot")
+        ids = list(self.layer_ids)
+        if ids != sorted(set(ids)) or len(ids) != self.num_aux:
+            raise ValueError(f"layer_ids {ids} must be strictly ascending, one per aux slot")
         if min(self.chunk_tokens, self.samples_per_shard, self.hidden_size, self.num_aux) < 1:
             raise ValueError("chunk_tokens, samples_per_shard, hidden_size, num_aux must be >= 1")
 
