@@ -146,7 +146,7 @@ def written_store(path: Path, num_aux: int) -> Store:
         chat_template_hash=None,
         layer_ids=list(range(1, 2 * num_aux, 2)),
         layer_convention="HF hidden_states[layer_ids[j]]",
-        final_state="post_norm",
+        final_states=["post_norm"],
         hidden_size=H,
         num_aux=num_aux,
         dtype="bfloat16",
@@ -254,7 +254,17 @@ def test_five_layers_from_a_real_server_match_hf_through_store_reader_and_export
         assert sample["aux_hidden_states"].shape == (t, 5 * 128)
         aux, final = sample["aux_hidden_states"].reshape(t, 5, 128), sample["final_hidden_states"]
         # Each of the 5 slots is HF's hidden_states[LAYERS[j]] for this very prompt.
-        assert_matches(llama_path, ids[i].tolist(), LAYERS, aux, final, **tol, what=f"sample {i}")
+        prenorm = sample["prenorm_hidden_states"]
+        assert_matches(
+            llama_path,
+            ids[i].tolist(),
+            LAYERS,
+            aux,
+            final,
+            **tol,
+            what=f"sample {i}",
+            prenorm=prenorm,
+        )
         hidden = load_file(sample_path(out, "speculators", i))["hidden_states"]
         assert hidden.shape == (t, 6, 128)  # the 5 aux slots, then the final state
         assert torch.equal(int_bits(hidden[:, :5]), int_bits(aux))
