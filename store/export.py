@@ -81,8 +81,9 @@ read with `--hidden-states-backend fp8`. Source: hs-connectors 0.9.0 (the packag
 dequantizes `hidden_states.to(bf16) * hidden_states_scales.to(bf16)` before ArrowDataset sees
 it; `fp8_utils.py` `SCALES_KEY = "hidden_states_scales"`. Its own writer
 (`FP8HiddenStatesConnector`) keeps one scale per token ([T, 1, 1]); this store keeps one per
-token and layer (layers differ in magnitude by 10x and more), which the same broadcast product
-reads as it is. The scales are powers of two, so that bf16 product equals this store's reader.
+token and layer, which the same broadcast product reads as it is (checked: FP8Transfer's
+`get_cached` on such an export gives exactly this store's reader rows, hs-connectors 0.9.0).
+The scales are powers of two, so that bf16 product equals this store's reader.
 
 Mismatch (speculators only): vLLM's slot L is the last decoder layer's output *before* the model's
 final norm, and the trainer applies the verifier's final norm (`model.norm.weight`) to

@@ -18,9 +18,9 @@ from store.reader import HiddenStatesDataset, HiddenStatesIterable
 from store.verify import verify_store
 from tests.test_store import LENGTHS, NUM_AUX, H, new_store
 
-# Measured on seeded normal rows with per-row magnitudes over 6 decades (below): e4m3 keeps
-# 3 mantissa bits, so a normal value's rounding error is at most 2 ** -4 relative; per row the
-# relative RMS error was <= 2.66% and 1 - cosine <= 3.5e-4 (H = 1024).
+# e4m3 keeps 3 mantissa bits: a normal value's rounding error is at most 2 ** -4 relative.
+# Measured on the seeded rows below (512 x 1024, magnitudes over 6 decades): per row relative
+# RMS error <= 2.86% (mean 2.66%), 1 - cosine <= 4.1e-4; with a neighbour's scale, >= 100%.
 MAX_VALUE_ERROR = 2**-4
 MAX_ROW_ERROR, MIN_ROW_COS = 0.03, 0.9995
 
