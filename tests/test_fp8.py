@@ -142,3 +142,27 @@ def zarr_rw(path: Path):
     import zarr
 
     return zarr.open_group(str(path), mode="r+")
+
+
+def test_the_job_config_takes_fp8_from_a_bf16_model_only(llama_path: Path) -> None:
+    from cluster.config import ConfigError, parse_config
+    from cluster.job_store import manifest_for, storage_estimate
+
+    raw = {"model": {"path": str(llama_path)}, "data": {"paths": ["x.jsonl"]}}
+    config = parse_config({**raw, "store": {"url": "s.zarr", "dtype": "fp8_e4m3"}})
+    manifest = manifest_for(config, None)
+    assert manifest.dtype == "fp8_e4m3" and manifest.served_dtype == "bfloat16"
+    h, n = manifest.hidden_size, manifest.num_aux
+    assert storage_estimate(manifest, 10) == {
+        "aux_hidden_states": 10 * n * (h + 4),
+        "final_hidden_states": 10 * (h + 4),
+        "input_ids_and_loss_mask": 50,
+    }
+    with pytest.raises(ConfigError, match="fp8_e4m3 quantizes a bfloat16 capture"):
+        parse_config(
+            {
+                "model": {"path": str(llama_path), "dtype": "float32"},
+                "data": {"paths": ["x.jsonl"]},
+                "store": {"url": "s.zarr", "dtype": "fp8_e4m3"},
+            }
+        )
