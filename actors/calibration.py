@@ -20,8 +20,9 @@ from patches.dump_files import read_dump, release_dump
 from store.format import Manifest
 
 PROBE_TEXT = "Calibration probe: the capital city of France is Paris, and 2 + 2 = 4."
-# Dump meta fields that must equal the manifest's fields of the same name.
-CAPTURE_FIELDS = ("layer_ids", "layer_convention", "hidden_size", "num_aux", "dtype")
+# Dump meta fields that must equal the manifest's fields of the same name; and its dtype, the
+# manifest's served dtype (an FP8 store's is bfloat16).
+CAPTURE_FIELDS = ("layer_ids", "layer_convention", "hidden_size", "num_aux")
 
 
 class CalibrationError(RuntimeError):
@@ -69,6 +70,11 @@ def calibrate(
             problems.append(
                 f"final_states: the store keeps {manifest.final_states}, the server captures "
                 f"{meta.get('final_states')!r} (no {', '.join(missing)})"
+            )
+        if meta.get("dtype") != manifest.served_dtype:
+            problems.append(
+                f"dtype: server {meta.get('dtype')!r} != manifest's served dtype "
+                f"{manifest.served_dtype!r} (store dtype {manifest.dtype!r})"
             )
         if meta.get("rid") != rid:
             problems.append(f"rid: the dump is {meta.get('rid')!r}'s, not the probe's {rid!r}")

@@ -55,8 +55,11 @@ def verify_dump(
     if meta.get("layer_ids") != manifest.layer_ids:
         raise DumpMismatch(f"layers {meta.get('layer_ids')} != manifest {manifest.layer_ids}")
     for name in manifest.hidden_arrays:
-        if str(tensors[name].dtype).removeprefix("torch.") != manifest.dtype:
-            raise DumpMismatch(f"{name} is {tensors[name].dtype}, the store holds {manifest.dtype}")
+        if str(tensors[name].dtype).removeprefix("torch.") != manifest.served_dtype:
+            raise DumpMismatch(
+                f"{name} is {tensors[name].dtype}, the store's model is served in "
+                f"{manifest.served_dtype}"
+            )
         row = _first_non_finite_row(tensors[name])
         if row is not None:
             raise DumpMismatch(f"{name} has non-finite values from token {row}")

@@ -31,12 +31,22 @@ from zarr.codecs.bytes import Endian
 from zarr.storage import LocalStore
 
 from actors.lease_keeper import LeaseLost, Unfenced, WriteFence
-from store.format import STATUS_FAILED, STATUS_PLANNED, STATUS_WRITTEN, Shard, Store
+from store.format import (
+    STATUS_FAILED,
+    STATUS_PLANNED,
+    STATUS_WRITTEN,
+    Shard,
+    Store,
+    StoredArray,
+    stored_arrays,
+)
+from store.fp8 import FP8_DTYPE, quantize
 from store.location import SinglePutObjectStore
 
 
-def _as_stored(x: np.ndarray | torch.Tensor, dtype: str, what: str) -> np.ndarray:
-    """The array as stored: bf16 as its raw uint16 bits (bit-exact, NaN payloads included)."""
+def _raw(x: np.ndarray | torch.Tensor, dtype: str, what: str) -> np.ndarray:
+    """The array's values in `dtype` as numpy: bf16 as its raw uint16 bits (bit-exact, NaN
+    payloads included)."""
     if isinstance(x, torch.Tensor):
         x = x.detach().cpu()
         if dtype == "bfloat16" and x.dtype == torch.bfloat16:
@@ -51,20 +61,26 @@ def _as_stored(x: np.ndarray | torch.Tensor, dtype: str, what: str) -> np.ndarra
     raise ValueError(f"{what}: dtype {x.dtype} does not match the store's {dtype}")
 
 
+def _short(name: str) -> str:
+    return name.removesuffix("_hidden_states")  # "aux", "final": as errors name them
+
+
 class _BufferPool:
-    """Chunk assembly buffers kept for reuse across chunks and shards: writing into fresh
-    pages costs a page fault per 4 KiB, measured here to slow the row copy ~5x."""
+    """Chunk assembly buffers (one per stored array) kept for reuse across chunks and shards:
+    writing into fresh pages costs a page fault per 4 KiB, measured here to slow the row copy
+    ~5x."""
 
     def __init__(self, max_bytes: int = 1 << 29) -> None:
         self._free: list[tuple[np.ndarray, ...]] = []
         self._lock, self._max_bytes = threading.Lock(), max_bytes
 
-    def get(self, shapes: tuple[tuple[int, ...], ...], dtype: type) -> tuple[np.ndarray, ...]:
+    def get(self, layout: tuple[tuple[tuple[int, ...], np.dtype], ...]) -> tuple[np.ndarray, ...]:
+        """Buffers of these (shape, dtype)s."""
         with self._lock:
             for j, bufs in enumerate(self._free):
-                if tuple(b.shape for b in bufs) == shapes and bufs[0].dtype == dtype:
+                if tuple((b.shape, b.dtype) for b in bufs) == layout:
                     return self._free.pop(j)
-        return tuple(np.empty(shape, dtype) for shape in shapes)
+        return tuple(np.empty(shape, dtype) for shape, dtype in layout)
 
     def put(self, bufs: tuple[np.ndarray, ...]) -> None:
         with self._lock:
@@ -100,8 +116,8 @@ class _Loan:
 
 @dataclass
 class _Piece:
-    """Rows [lo, lo + len) of a chunk, one array per hidden array of the store (in the
-    manifest's `hidden_arrays` order): views of a sample's memory (lent) or of a buffer."""
+    """Rows [lo, lo + len) of a chunk, one array per stored array: views of a sample's memory
+    (lent) or of a buffer."""
 
     lo: int
     rows: tuple[np.ndarray, ...]
@@ -112,15 +128,14 @@ class _Piece:
 
 
 def _gather(pieces: list[_Piece], which: int, rows: int, row_bytes: int) -> list[memoryview]:
-    """Hidden array `which`'s chunk bytes in order, as views: its pieces, zeros where no row
-    was written."""
+    """A chunk's bytes of stored array `which` in order, as views: its pieces, zeros where no
+    row was written."""
     out, at = [], 0
     for p in sorted(pieces, key=lambda p: p.lo):
         if p.lo > at:
             out.append(_zeros((p.lo - at) * row_bytes))
-        rows_of = p.rows[which]
-        out.append(memoryview(rows_of.reshape(-1).view(np.uint8)))
-        at = p.lo + len(rows_of)
+        out.append(memoryview(p.rows[which].reshape(-1).view(np.uint8)))
+        at = p.lo + len(p)
     if at < rows:
         out.append(_zeros((rows - at) * row_bytes))
     return out
@@ -179,7 +194,8 @@ class ShardWriter:
     ranges), never assembled in a copy first: on this 2-core machine the write is memory-bound
     and that copy cost ~half the throughput (benchmarks/writer_vs_tofile.py).
     Where zarr must encode (a codec) the chunk is assembled in a reused buffer on a write
-    thread.
+    thread. Every stored array (store/format.py `stored_arrays`: the hidden arrays, and an FP8
+    store's scales) is chunked alike, so a chunk index means the same rows in each.
 
     A sample's memory is lent to the chunks holding its rows until they are written, so a
     sample whose last chunk waits for the next sample stays held (its `on_release` comes
@@ -217,17 +233,13 @@ class ShardWriter:
         # write_empty_chunks: skip zarr's all-zero scan of every chunk (it runs on zarr's one
         # event-loop thread, ~0.7 GB/s here, and serialised all writes); a rewrite then also
         # replaces every chunk of the range, all-zero ones included.
-        self._names = m.hidden_arrays  # aux, then each final state: a sample's rows, in order
+        self._stored: list[StoredArray] = stored_arrays(m)  # hidden arrays (+ FP8 scales)
         self._arrays = [
-            store.array(name).with_config({"write_empty_chunks": True}) for name in self._names
+            store.array(a.name).with_config({"write_empty_chunks": True}) for a in self._stored
         ]
         self._c = m.chunk_tokens
-        self._row_shapes = tuple(a.shape[1:] for a in self._arrays)
-        self._shapes = tuple((self._c, *shape) for shape in self._row_shapes)
-        self._np_dtype = np.uint16 if m.dtype == "bfloat16" else np.float32
-        itemsize = np.dtype(self._np_dtype).itemsize
-        self._rows_bytes = tuple(int(np.prod(shape)) * itemsize for shape in self._row_shapes)
-        self._row_bytes = sum(self._rows_bytes)
+        self._layout = tuple(((self._c, *a.row_shape), a.dtype) for a in self._stored)
+        self._row_bytes = sum(a.row_bytes for a in self._stored)
         first = shard.token_begin // self._c
         # Rows each chunk still waits for (sample rows only: padding is never waited on) and
         # payload rows it holds (failed samples' rows excluded).
@@ -260,30 +272,26 @@ class ShardWriter:
     ) -> None:
         """One sample's rows, one array per hidden array of the store in the manifest's
         `hidden_arrays` order: aux [P, num_aux, H], final (post-norm) [P, H] and, if the store
-        keeps it, pre-norm [P, H]; P is its planned length. The rows are written from this
-        memory, so the arrays must stay untouched until `on_release` is called: once every
-        chunk holding its rows is written (or its rows were copied out)."""
+        keeps it, pre-norm [P, H]; P is its planned length, the dtype the served one. The rows
+        are written from this memory, so the arrays must stay untouched until `on_release` is
+        called: once every chunk holding its rows is written (or its rows were copied out). An
+        FP8 store quantizes them first (store/fp8.py) and releases them then; a non-finite value
+        there is a ValueError."""
         t0 = time.perf_counter()
         rows = self._claim(sample_index)
         p, name = rows.stop - rows.start, self._name(sample_index)
-        if len(states) != len(self._names):
+        names = self.store.manifest.hidden_arrays
+        if len(states) != len(names):
             raise ValueError(
                 f"sample {name}: got {len(states)} hidden arrays, the store holds "
-                f"{len(self._names)} ({', '.join(self._names)})"
+                f"{len(names)} ({', '.join(names)})"
             )
-        dtype = self.store.manifest.dtype
-        # Contiguous rows: each chunk's piece of them is one range of bytes to write.
-        stored = tuple(
-            np.ascontiguousarray(_as_stored(x, dtype, f"sample {name} {array}"))
-            for x, array in zip(states, self._names, strict=True)
-        )
-        got = [tuple(x.shape) for x in stored]
-        want = [(p, *shape) for shape in self._row_shapes]
-        if got != want:
-            raise ValueError(
-                f"sample {name}: got {', '.join(map(str, got))} for {', '.join(self._names)}, "
-                f"expected {p} rows: {', '.join(map(str, want))}"
-            )
+        hidden = dict(zip(names, states, strict=True))
+        stored = self._as_stored(hidden, p, f"sample {name}")
+        if self.store.manifest.dtype == FP8_DTYPE:  # quantized copies: the dump is done with
+            if on_release is not None:
+                on_release()
+            on_release = None
         loan = _Loan(sum(x.nbytes for x in stored), on_release)
         chunks = self._chunk_parts(rows)
         loan.refs += len(chunks)
@@ -363,6 +371,29 @@ class ShardWriter:
 
     # -- internals ---------------------------------------------------------------------------
 
+    def _as_stored(
+        self, hidden: dict[str, np.ndarray | torch.Tensor], p: int, what: str
+    ) -> list[np.ndarray]:
+        """A sample's hidden arrays as stored, in `self._stored` order, contiguous (each
+        chunk's piece of them is one range of bytes to write); an FP8 store's quantized here,
+        its scales after its values."""
+        m = self.store.manifest
+        served = {n: _raw(x, m.served_dtype, f"{what} {_short(n)}") for n, x in hidden.items()}
+        wanted = {a.name: (p, *a.row_shape) for a in self._stored if a.name in hidden}
+        got = {n: tuple(x.shape) for n, x in served.items()}
+        if got != wanted:
+            raise ValueError(f"{what}: got shapes {got}, expected {p} rows: {wanted}")
+        if m.dtype != FP8_DTYPE:
+            return [np.ascontiguousarray(served[a.name]) for a in self._stored]
+        quantized = [
+            quantize(
+                torch.from_numpy(served[n].view(np.int16)).view(torch.bfloat16),
+                f"{what} {_short(n)}",
+            )
+            for n in wanted  # stored order: the values come first, then their scales
+        ]
+        return [q for q, _ in quantized] + [scale for _, scale in quantized]
+
     def _name(self, i: int) -> str:
         return f"{i} ({self._ids[i - self.shard.sample_begin]})"
 
@@ -386,15 +417,15 @@ class ShardWriter:
 
     def _spill_path(self, k: int, which: int) -> Path:
         assert self._spill is not None
-        return self._spill / f"{k}.{self._names[which]}.bin"
+        return self._spill / f"{k}.{self._stored[which].name}.bin"
 
     def _flush_spill(self) -> None:
         """A deferred lease, its claim won: the spilled chunks go to the store now."""
         self._uncommit()
         for k in sorted(self._spilled):
             rows = tuple(
-                np.memmap(self._spill_path(k, w), self._np_dtype, "r", shape=shape)
-                for w, shape in enumerate(self._shapes)
+                np.memmap(self._spill_path(k, j), dtype, "r", shape=shape)
+                for j, (shape, dtype) in enumerate(self._layout)
             )
             with self.fence.writing():
                 self._store_chunk(k, [_Piece(0, rows, None)])
@@ -444,12 +475,12 @@ class ShardWriter:
 
     def _copy_out(self, k: int, piece: _Piece) -> None:
         if k not in self._buffers:
-            self._buffers[k] = _BUFFERS.get(self._shapes, self._np_dtype)
-        bufs = self._buffers[k]
+            self._buffers[k] = _BUFFERS.get(self._layout)
         dst = slice(piece.lo, piece.lo + len(piece))
-        for buf, rows_of in zip(bufs, piece.rows, strict=True):
-            buf[dst] = rows_of
-        loan, piece.rows, piece.loan = piece.loan, tuple(buf[dst] for buf in bufs), None
+        for buf, rows in zip(self._buffers[k], piece.rows, strict=True):
+            buf[dst] = rows
+        loan, piece.loan = piece.loan, None
+        piece.rows = tuple(buf[dst] for buf in self._buffers[k])
         loan.unsent -= 1
         loan.drop()
 
@@ -480,9 +511,9 @@ class ShardWriter:
             if self._stopped or self._lost:
                 return
             if self._spill is not None:
-                for which, row in enumerate(self._rows_bytes):
-                    parts = _gather(pieces, which, self._c, row)
-                    _write_file(self._spill_path(k, which), parts, mode=0o600)
+                for j, a in enumerate(self._stored):
+                    parts = _gather(pieces, j, self._c, a.row_bytes)
+                    _write_file(self._spill_path(k, j), parts, mode=0o600)
                 self._spilled.add(k)
             else:
                 with self.fence.writing():
@@ -498,14 +529,14 @@ class ShardWriter:
         t0 = time.perf_counter()
         puts = [_raw_chunk_put(a, k) for a in self._arrays]
         if None in puts:  # zarr encodes: hand it the chunk assembled in a reused buffer
-            bufs = _BUFFERS.get(self._shapes, self._np_dtype)
+            bufs = _BUFFERS.get(self._layout)
             rows = slice(k * self._c, (k + 1) * self._c)
-            for array, chunk in zip(self._arrays, self._assembled(pieces, bufs), strict=True):
-                array[rows] = chunk
+            for array, assembled in zip(self._arrays, self._assembled(pieces, bufs), strict=True):
+                array[rows] = assembled
             _BUFFERS.put(bufs)
         else:
-            for which, (put, row) in enumerate(zip(puts, self._rows_bytes, strict=True)):
-                put(_gather(pieces, which, self._c, row))
+            for j, (put, a) in enumerate(zip(puts, self._stored, strict=True)):
+                put(_gather(pieces, j, self._c, a.row_bytes))
         with self._lock:
             self.bytes_written += self._payload[k] * self._row_bytes
             self.chunk_seconds += time.perf_counter() - t0

@@ -125,6 +125,10 @@ class StoreConfig(_Section):
     # Keep the final norm's input (what vLLM speculators trains on) besides the post-norm state
     # (SpecForge's): one more [T, H] array, +1/(num_aux + 1) of the hidden bytes.
     prenorm: bool = True
+    # How hidden states are kept: "model", in the served dtype, bit for bit; "fp8_e4m3", e4m3
+    # with a float32 scale per token and layer (store/fp8.py), ~half of bf16's bytes, read
+    # back as bf16; needs model.dtype bfloat16.
+    dtype: Literal["model", "fp8_e4m3"] = "model"
 
 
 class WorkerConfigSection(_Section):
@@ -218,6 +222,15 @@ class JobConfig(_Section):
         if is_remote(self.store.url):
             return store_write_bound_s(self.store.storage_options) + 15.0
         return self.queue.lease_s / 2
+
+    @model_validator(mode="after")
+    def _fp8_from_bf16(self) -> JobConfig:
+        if self.store.dtype == "fp8_e4m3" and self.model.dtype != "bfloat16":
+            raise ValueError(
+                f"store.dtype fp8_e4m3 quantizes a bfloat16 capture: set model.dtype bfloat16 "
+                f"(not {self.model.dtype})"
+            )
+        return self
 
     @model_validator(mode="after")
     def _lease_timing(self) -> JobConfig:

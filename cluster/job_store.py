@@ -29,7 +29,7 @@ from cluster.plan import (
     source_hashes,
 )
 from store.builder import StoreBuilder
-from store.format import Manifest, Shard, Store, StoreIncomplete, make_manifest
+from store.format import Manifest, Shard, Store, StoreIncomplete, make_manifest, stored_arrays
 from store.layers import LayerIdsError, expected_capture
 
 PROJECT_AFTER_PARTS = 8  # planned parts after which the storage estimate is projected
@@ -70,17 +70,18 @@ def manifest_for(config: JobConfig, chat_template: str | None) -> Manifest:
         codec=codec,
         chunk_tokens=config.store.chunk_tokens,
         prenorm=config.store.prenorm,
+        dtype=None if config.store.dtype == "model" else config.store.dtype,
     )
 
 
 def storage_estimate(manifest: Manifest, tokens: int) -> dict[str, int]:
-    """Bytes the store will hold, uncompressed (the plan's rows plus the hidden states)."""
-    itemsize = 2 if manifest.dtype == "bfloat16" else 4
-    return {
-        "aux_hidden_states": tokens * manifest.num_aux * manifest.hidden_size * itemsize,
-        **{name: tokens * manifest.hidden_size * itemsize for name in manifest.hidden_arrays[1:]},
-        "input_ids_and_loss_mask": tokens * 5,
-    }
+    """Bytes the store will hold, uncompressed (the plan's rows plus the hidden states, an
+    FP8 store's scales counted with their hidden array)."""
+    estimate = dict.fromkeys(manifest.hidden_arrays, 0)
+    for a in stored_arrays(manifest):
+        of = a.attributes.get("scale_of", a.name)
+        estimate[of] += tokens * a.row_bytes
+    return {**estimate, "input_ids_and_loss_mask": tokens * 5}
 
 
 def describe_capture(manifest: Manifest, store_url: str) -> str:

@@ -32,7 +32,6 @@ import zarr
 from zarr.core.sync import sync
 
 from store.format import (
-    BF16_ATTR,
     PER_SAMPLE_BLOCK,
     PER_SHARD_BLOCK,
     Manifest,
@@ -41,6 +40,7 @@ from store.format import (
     _compressors,
     _round_up,
     plan_digest,
+    stored_arrays,
 )
 from store.location import StoreAccessError, describe_failure, first_key, open_location
 
@@ -93,8 +93,6 @@ class StoreBuilder:
             store=location, zarr_format=3, attributes=attrs, overwrite=overwrite
         )
         comp = _compressors(m.codec)
-        hidden = "uint16" if m.dtype == "bfloat16" else "float32"
-        hidden_attrs = BF16_ATTR if m.dtype == "bfloat16" else {}
         c, per_shard = m.chunk_tokens, m.samples_per_shard
 
         def new(name: str, shape: tuple[int, ...], dtype: Any, chunks: tuple[int, ...], **kw):
@@ -104,22 +102,14 @@ class StoreBuilder:
 
         new("input_ids", (0,), "int32", (c,), compressors=comp)
         new("loss_mask", (0,), "uint8", (c,), compressors=comp)
-        new(
-            "aux_hidden_states",
-            (0, m.num_aux, m.hidden_size),
-            hidden,
-            (c, m.num_aux, m.hidden_size),
-            compressors=comp,
-            attributes=hidden_attrs,
-        )
-        for name in m.hidden_arrays[1:]:  # the final states
+        for a in stored_arrays(m):  # hidden states (and an FP8 store's scales)
             new(
-                name,
-                (0, m.hidden_size),
-                hidden,
-                (c, m.hidden_size),
+                a.name,
+                (0, *a.row_shape),
+                a.dtype,
+                (c, *a.row_shape),
                 compressors=comp,
-                attributes=hidden_attrs,
+                attributes=a.attributes,
             )
         new("sample_start", (0,), "int64", (PER_SAMPLE_BLOCK,))
         new("sample_length", (0,), "int32", (PER_SAMPLE_BLOCK,))
@@ -243,7 +233,7 @@ class StoreBuilder:
     def _resize(self, tokens: int, samples: int, shards: int, exact: bool) -> None:
         """Grow (doubling, ahead of need) or, once `exact`, trim every array; chunks stay."""
         for names, size in (
-            (("input_ids", "loss_mask", *self.store.manifest.hidden_arrays), tokens),
+            (("input_ids", "loss_mask", *(a.name for a in stored_arrays(self.m))), tokens),
             (("sample_start", "sample_length", "sample_id", "sample_status"), samples),
             (("shard_committed", "shard_summary", "shard_plan_sha256"), shards),
         ):

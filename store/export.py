@@ -12,7 +12,9 @@ records the store URL, its manifest and `job`, the format, and `exported` ([inde
 pairs), written before the first sample (so a resumed run can check it) and rewritten at the end;
 a run against another store, manifest or format into the same directory is refused
 (`ExportConflict`), as is a non-empty directory without `export.json`. Hidden states are copied
-bit for bit (bf16 stays bf16, float32 stays float32): neither format demands a conversion.
+bit for bit (bf16 stays bf16, float32 stays float32): neither format demands a conversion. An
+FP8 store (store/fp8.py) goes to SpecForge dequantized to bf16 (exact: e4m3 value x a
+power-of-two scale), and to speculators in its FP8 format, its bits and scales unchanged.
 
 SpecForge (sgl-project/SpecForge), offline EAGLE-3 training data, one torch-saved dict per sample:
 
@@ -70,6 +72,19 @@ or uncommitted samples) make the trainer fall back to `--on-missing` (default "g
 asks a vLLM server): train with `--on-missing skip`, and with `--target-layer-ids <layer_ids> L`
 unless the layer ids are the default.
 
+speculators' FP8 format (an FP8 store): the same files with
+          {"hidden_states":        float8_e4m3fn [T, num_aux + 1, H]   the store's e4m3 bits
+           "hidden_states_scales": float32 [T, num_aux + 1, 1]         the store's scales
+           "token_ids":            int64 [T]}
+read with `--hidden-states-backend fp8`. Source: hs-connectors 0.9.0 (the package speculators
+0.9.0 pins): `hs_connectors/transfer.py` `FP8Transfer` (backend "fp8") loads the file and
+dequantizes `hidden_states.to(bf16) * hidden_states_scales.to(bf16)` before ArrowDataset sees
+it; `fp8_utils.py` `SCALES_KEY = "hidden_states_scales"`. Its own writer
+(`FP8HiddenStatesConnector`) keeps one scale per token ([T, 1, 1]); this store keeps one per
+token and layer, which the same broadcast product reads as it is (checked: FP8Transfer's
+`get_cached` on such an export gives exactly this store's reader rows, hs-connectors 0.9.0).
+The scales are powers of two, so that bf16 product equals this store's reader.
+
 Mismatch (speculators only): vLLM's slot L is the last decoder layer's output *before* the model's
 final norm, and the trainer applies the verifier's final norm (`model.norm.weight`) to
 `hidden_states[:, -1]` before its lm_head (vllm-project/speculators PR #313, merged 2026-02-26,
@@ -100,6 +115,7 @@ import torch
 import zarr
 
 from store.format import Manifest, Store, StoreFormatError
+from store.fp8 import FP8_DTYPE, scale_name
 from store.layers import model_config, requested_layer_ids
 from store.location import StoreAccessError
 from store.reader import HiddenStatesIterable
@@ -165,7 +181,11 @@ def export(
             say(f"export: note: {note}")
         if fmt == "speculators":
             _write_dataset(out, store, say)
-        reader = HiddenStatesIterable(url, rank=0, world_size=1, storage_options=storage_options)
+        # speculators has an FP8 format: its bits and scales go as they are; SpecForge: bf16.
+        fp8 = "raw" if fmt == "speculators" else "dequantize"
+        reader = HiddenStatesIterable(
+            url, rank=0, world_size=1, storage_options=storage_options, fp8=fp8
+        )
         visible = reader.sample_indices
         exported = skipped = written = 0
         made: set[Path] = set()  # directories written into, fsynced at the end
@@ -237,6 +257,8 @@ def read_exported(out_dir: str | Path, fmt: Format, sample_index: int) -> dict[s
 
     data = load_file(path)
     hidden = data["hidden_states"]
+    if "hidden_states_scales" in data:  # the FP8 format, as speculators' FP8Transfer reads it
+        hidden = hidden.to(torch.bfloat16) * data["hidden_states_scales"].to(torch.bfloat16)
     row = _load_dataset(out)[sample_index]
     return {
         "sample_id": ids[sample_index],
@@ -291,7 +313,12 @@ def _encoder(fmt: str, sample: dict[str, Any], store: Store) -> Callable[[IO[byt
     m = store.manifest
     aux = sample["aux_hidden_states"].reshape(len(ids), m.num_aux, m.hidden_size)
     final = sample["final_hidden_states"].reshape(len(ids), 1, m.hidden_size)
-    blob = save({"hidden_states": torch.cat([aux, final], dim=1), "token_ids": ids})
+    tensors = {"hidden_states": torch.cat([aux, final], dim=1), "token_ids": ids}
+    if m.dtype == FP8_DTYPE:  # the reader's raw values: their scales go alongside
+        names = ("aux_hidden_states", "final_hidden_states")  # the slots written above
+        scales = [sample[scale_name(n)].reshape(len(ids), -1) for n in names]
+        tensors["hidden_states_scales"] = torch.cat(scales, dim=1).unsqueeze(-1)
+    blob = save(tensors)
     return lambda f: f.write(blob)
 
 
@@ -392,8 +419,9 @@ def _notes(store: Store, fmt: str) -> list[str]:
                 f"DeepSeek-style ones ({m.model}/config.json is not readable here)"
             ]
         return [f"train SpecForge with --aux-hidden-states-layers {','.join(map(str, layers))}"]
+    fp8 = " --hidden-states-backend fp8" if m.dtype == FP8_DTYPE else ""
     notes = [
-        f"train with speculators' scripts/train.py --data-path DIR --on-missing skip "
+        f"train with speculators' scripts/train.py --data-path DIR --on-missing skip{fp8} "
         f"--target-layer-ids {' '.join(map(str, m.layer_ids))} <num_hidden_layers> "
         f"(rows without a file are failed or uncommitted samples)"
     ]
@@ -416,7 +444,7 @@ def _begin(out: Path, url: str, store: Store, fmt: str, sample_ids: list[str]) -
         **identity,
         "final_states": m.final_states,
         "layer_ids": list(m.layer_ids),
-        "layout": _layout(fmt),
+        "layout": _layout(fmt, m),
         "notes": _notes(store, fmt),
         "num_planned_samples": int(store.num_samples),
     }
@@ -463,7 +491,7 @@ def _differences(old: dict, new: dict) -> list[str]:
     return out
 
 
-def _layout(fmt: str) -> dict[str, str]:
+def _layout(fmt: str, m: Manifest) -> dict[str, str]:
     if fmt == "specforge":
         return {
             "files": f"rows_{{g}}-{{g+{SPECFORGE_GROUP}}}/data_{{index}}.ckpt",
@@ -471,10 +499,13 @@ def _layout(fmt: str) -> dict[str, str]:
             "keys": "input_ids int64 [T], loss_mask int64 [T], hidden_state [1,T,H], "
             "aux_hidden_state [1,T,num_aux*H]",
         }
+    keys = "hidden_states [T,num_aux+1,H] (aux layers, then final), token_ids int64 [T]"
+    if m.dtype == FP8_DTYPE:
+        keys += ", hidden_states_scales float32 [T,num_aux+1,1] (hidden_states float8_e4m3fn)"
     return {
         "files": "hidden_states/hs_{index}.safetensors",
         "index": "the store's global sample index = the row of the dataset in this directory",
-        "keys": "hidden_states [T,num_aux+1,H] (aux layers, then final), token_ids int64 [T]",
+        "keys": keys,
         "dataset": "datasets.load_from_disk(DIR): input_ids, loss_mask, seq_len per planned sample",
     }
 

@@ -6,9 +6,10 @@ One Zarr v3 group, flat and token-major; sample i owns rows `sample_rows(i)` of 
 |---|---|---|---|
 | `input_ids` | [T] int32 | chunk_tokens | driver |
 | `loss_mask` | [T] uint8 | chunk_tokens | driver |
-| `aux_hidden_states` | [T, num_aux, H] uint16 (bf16 bits) / float32 | chunk_tokens | workers |
+| `aux_hidden_states` | [T, num_aux, H] uint16 bf16 bits/float32/fp8 bits | chunk_tokens | workers |
 | `final_hidden_states` | [T, H] same, after the final norm | chunk_tokens | workers |
 | `prenorm_hidden_states` | [T, H] same, the final norm's input (*) | chunk_tokens | workers |
+| `<hidden array>_scale` | [T, num_aux] / [T] float32 (FP8 stores only) | chunk_tokens | workers |
 | `sample_start` | [N] int64 | PER_SAMPLE_BLOCK | driver |
 | `sample_length` | [N] int32 | PER_SAMPLE_BLOCK | driver |
 | `sample_id` | [N] string (variable-length UTF-8) | samples_per_shard | driver |
@@ -34,7 +35,10 @@ Group attributes: `manifest` (`Manifest.to_json()`), `rejected` (plan-time rejec
 sources and their sha256, plan options; resume compares it) and, written by the driver once a
 run ends, `report` (the final report of the latest run). bf16 has no Zarr 3.1 dtype, so hidden
 states keep their raw bits in uint16 with the attribute `BF16_ATTR`; view them back with
-`ml_dtypes.bfloat16` or torch.
+`ml_dtypes.bfloat16` or torch. An FP8 store (manifest dtype `fp8_e4m3`, quantized from a
+bf16 capture) keeps each hidden array's e4m3 bits in uint8 (attribute `FP8_ATTR`) and, next
+to it, one float32 scale per row (a token's layer) in `<array>_scale` (attribute `scale_of`),
+chunked alike; value = e4m3 value x scale, the scale a power of two (store/fp8.py).
 
 Concurrency: only the driver writes metadata (array shapes, while planning; attributes), each
 write one atomic object; a worker writes only its shard's chunks (whole chunks, token ranges are
@@ -58,6 +62,7 @@ import obstore.exceptions
 import zarr
 from zarr.codecs import ZstdCodec
 
+from store.fp8 import FP8_ATTR, FP8_DTYPE, scale_name
 from store.location import StoreAccessError, describe_failure, first_key, open_location
 from store.model_identity import model_identity
 
@@ -90,6 +95,44 @@ STATUS_PLANNED, STATUS_WRITTEN, STATUS_FAILED = 0, 1, 2
 HIDDEN_ARRAYS = ("aux_hidden_states", "final_hidden_states", "prenorm_hidden_states")
 # The final states a store can hold, in this order, and the array holding each.
 FINAL_STATE_ARRAYS = {"post_norm": "final_hidden_states", "pre_norm": "prenorm_hidden_states"}
+DTYPES = ("bfloat16", "float32", FP8_DTYPE)  # a manifest's dtype: how hidden states are stored
+HIDDEN_ITEMSIZE = {"bfloat16": 2, "float32": 4, FP8_DTYPE: 1}
+
+
+@dataclass(frozen=True)
+class StoredArray:
+    """A token-major array the workers write: a hidden array, or an FP8 store's scales."""
+
+    name: str
+    row_shape: tuple[int, ...]  # one token's
+    dtype: np.dtype
+    attributes: dict[str, Any]
+
+    @property
+    def row_bytes(self) -> int:
+        return int(np.prod(self.row_shape, dtype=np.int64)) * self.dtype.itemsize
+
+
+def hidden_row_shape(manifest: Manifest, name: str) -> tuple[int, ...]:
+    """One token's shape in hidden array `name`."""
+    m = manifest
+    return (m.num_aux, m.hidden_size) if name == "aux_hidden_states" else (m.hidden_size,)
+
+
+def stored_arrays(manifest: Manifest) -> list[StoredArray]:
+    """The arrays the workers write, in a fixed order: every hidden array, then (FP8 stores)
+    each one's scales."""
+    m = manifest
+    if m.dtype == FP8_DTYPE:
+        u8, f32 = np.dtype(np.uint8), np.dtype(np.float32)
+        values = [StoredArray(n, hidden_row_shape(m, n), u8, FP8_ATTR) for n in m.hidden_arrays]
+        scales = [
+            StoredArray(scale_name(a.name), a.row_shape[:-1], f32, {"scale_of": a.name})
+            for a in values
+        ]
+        return values + scales
+    dtype, attrs = (np.uint16, BF16_ATTR) if m.dtype == "bfloat16" else (np.float32, {})
+    return [StoredArray(n, hidden_row_shape(m, n), np.dtype(dtype), attrs) for n in m.hidden_arrays]
 
 
 class StoreFormatError(ValueError):
@@ -132,7 +175,7 @@ class Manifest:
     final_states: list[str]  # ["post_norm"] or ["post_norm", "pre_norm"] (FINAL_STATE_ARRAYS)
     hidden_size: int
     num_aux: int
-    dtype: str  # "bfloat16" (stored as uint16 bits) or "float32"
+    dtype: str  # "bfloat16" (stored as uint16 bits), "float32" or "fp8_e4m3" (see the module doc)
     max_length: int
     codec: dict[str, Any]  # {"name": "zstd", "level": 1} or {"name": "none"}
     chunk_tokens: int
@@ -147,8 +190,8 @@ class Manifest:
                 f"final_states must be ['post_norm'] or ['post_norm', 'pre_norm'], "
                 f"got {self.final_states!r}"
             )
-        if self.dtype not in ("bfloat16", "float32"):
-            raise ValueError(f"dtype must be bfloat16 or float32, got {self.dtype!r}")
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype must be bfloat16, float32 or {FP8_DTYPE}, got {self.dtype!r}")
         if self.codec.get("name") not in ("zstd", "none"):
             raise ValueError(f"codec must be zstd or none, got {self.codec!r}")
         ids = list(self.layer_ids)
@@ -161,6 +204,11 @@ class Manifest:
     def hidden_arrays(self) -> tuple[str, ...]:
         """The hidden arrays this store holds: the aux states, then one per final state."""
         return ("aux_hidden_states", *(FINAL_STATE_ARRAYS[s] for s in self.final_states))
+
+    @property
+    def served_dtype(self) -> str:
+        """The dtype the model is served (and captured) in: an FP8 store quantizes bf16."""
+        return "bfloat16" if self.dtype == FP8_DTYPE else self.dtype
 
     def to_json(self) -> dict[str, Any]:
         data = dataclasses.asdict(self)
@@ -222,14 +270,19 @@ def make_manifest(
     codec: Mapping[str, Any] = DEFAULT_CODEC,
     chunk_tokens: int | None = None,
     prenorm: bool = True,
+    dtype: str | None = None,
 ) -> Manifest:
     """A manifest with the recommended codec and chunking. `capture` holds the capture fields
     named as in a dump's meta.json (layer_ids, layer_convention, hidden_size, num_aux, dtype),
     so calibration can compare a dump with the manifest key by key. `prenorm`: keep the final
-    norm's input too (what vLLM speculators trains on) besides the post-norm state."""
+    norm's input too (what vLLM speculators trains on) besides the post-norm state. `dtype`:
+    how the store keeps hidden states (FP8_DTYPE, from a bf16 capture); None: as captured."""
     model_dir = Path(model_dir)
-    num_aux, hidden, dtype = int(capture["num_aux"]), int(capture["hidden_size"]), capture["dtype"]
-    itemsize = 2 if dtype == "bfloat16" else 4
+    num_aux, hidden = int(capture["num_aux"]), int(capture["hidden_size"])
+    dtype = dtype or capture["dtype"]
+    if dtype == FP8_DTYPE and capture["dtype"] != "bfloat16":
+        raise ValueError(f"{FP8_DTYPE} stores quantize a bfloat16 capture, not {capture['dtype']}")
+    itemsize = HIDDEN_ITEMSIZE[dtype]
     return Manifest(
         schema_version=SCHEMA_VERSION,
         model=model,

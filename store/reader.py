@@ -10,7 +10,10 @@ Each sample is a dict: `sample_id` (str), `input_ids` (int64 [T]), `loss_mask` (
 `layer_ids` order, as EAGLE-3 consumes them), `final_hidden_states` ([T, H], after the model's
 final norm) and, when the store keeps it (manifest `final_states`), `prenorm_hidden_states`
 ([T, H], the final norm's input); hidden states are bf16 tensors viewing the stored bits
-(float32 for a float32 store).
+(float32 for a float32 store). An FP8 store's (store/fp8.py) are dequantized to bf16 (exactly:
+e4m3 value x a power-of-two scale); with `fp8="raw"` they are its float8_e4m3fn values
+instead, unflattened (aux [T, num_aux, H]), each with `<name>_scale` (float32, one per row:
+aux [T, num_aux], the final states [T]).
 
 The set of visible samples is fixed when the reader is built (a snapshot of the commit markers
 and sample statuses): samples of uncommitted shards, and failed samples, are never returned.
@@ -27,7 +30,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Iterable, Iterator, Mapping
-from typing import Any
+from typing import Any, Literal
 
 import numpy as np
 import torch
@@ -35,18 +38,20 @@ from torch.utils.data import Dataset, IterableDataset, get_worker_info
 
 from store import file_rows, object_rows
 from store.file_rows import FileRows
-from store.format import STATUS_WRITTEN, Manifest, Shard, Store
+from store.format import STATUS_WRITTEN, Manifest, Shard, Store, stored_arrays
+from store.fp8 import FP8_DTYPE, as_float8, dequantize, scale_name
 from store.location import is_remote
 from store.object_rows import RemoteRows
 from store.read_ahead import Block
 
 Sample = dict[str, Any]
+Fp8Mode = Literal["dequantize", "raw"]
 PLAN_ARRAYS = ("input_ids", "loss_mask")
 
 
-def token_arrays(manifest: Manifest) -> tuple[str, ...]:
-    """The token-major arrays a sample is read from: the plan's, then the hidden ones."""
-    return (*PLAN_ARRAYS, *manifest.hidden_arrays)
+def token_arrays(manifest: Manifest) -> list[str]:
+    """The store's token-major arrays: the plan's, the hidden ones and an FP8 store's scales."""
+    return [*PLAN_ARRAYS, *(a.name for a in stored_arrays(manifest))]
 
 
 class _StoreView:
@@ -58,11 +63,15 @@ class _StoreView:
         storage_options: Mapping[str, Any] | None,
         concurrency: int | None = None,
         prefetch_bytes: int | None = None,
+        fp8: Fp8Mode = "dequantize",
     ) -> None:
+        if fp8 not in ("dequantize", "raw"):
+            raise ValueError(f"fp8 must be 'dequantize' or 'raw', got {fp8!r}")
         self.url, self.storage_options = str(url), storage_options
-        self.concurrency, self.prefetch_bytes = concurrency, prefetch_bytes
+        self.concurrency, self.prefetch_bytes, self.fp8 = concurrency, prefetch_bytes, fp8
         store = Store.open(self.url, storage_options=storage_options)
         self.manifest: Manifest = store.manifest
+        self.token_arrays = token_arrays(self.manifest)
         committed = store.committed()
         status = np.asarray(store.group["sample_status"][:])
         self.shards: list[Shard] = [sh for sh in store.shards if committed[sh.index]]
@@ -104,7 +113,7 @@ class _StoreView:
         """The store's row reader, made once per process (array handles read metadata)."""
         store = self.store  # first: refuses a forked copy of a remote store
         if self._rows is None:
-            arrays = {name: store.group[name] for name in token_arrays(self.manifest)}
+            arrays = {name: store.group[name] for name in self.token_arrays}
             if is_remote(self.url):
                 self._rows = RemoteRows(
                     arrays,
@@ -131,23 +140,28 @@ class _StoreView:
         """Sample i out of rows read from `offset` on."""
         a = int(self.sample_start[i]) - offset
         b = a + int(self.sample_length[i])
-        aux = rows["aux_hidden_states"][a:b]
-        return {
+        sample = {
             "sample_id": str(self.sample_ids[i]),
             "input_ids": torch.from_numpy(rows["input_ids"][a:b].astype(np.int64)),
             "loss_mask": torch.from_numpy(rows["loss_mask"][a:b].astype(np.int64)),
-            "aux_hidden_states": self._hidden(aux.reshape(len(aux), -1)),
-            **{
-                name: self._hidden(rows[name][a:b])
-                for name in self.manifest.hidden_arrays[1:]  # the final states
-            },
         }
+        for name in self.manifest.hidden_arrays:
+            sample.update(self._hidden(name, rows, slice(a, b)))
+        return sample
 
-    def _hidden(self, x: np.ndarray) -> torch.Tensor:
-        x = np.ascontiguousarray(x)
-        if self.manifest.dtype == "bfloat16":  # stored bits, viewed, never converted
-            return torch.from_numpy(x.view(np.int16)).view(torch.bfloat16)
-        return torch.from_numpy(x)
+    def _hidden(self, name: str, rows: dict[str, np.ndarray], at: slice) -> dict[str, Any]:
+        """Hidden array `name`'s entries of a sample: aux flattened to [T, num_aux * H]."""
+        x = np.ascontiguousarray(rows[name][at])
+        if self.manifest.dtype == FP8_DTYPE:
+            scale = np.ascontiguousarray(rows[scale_name(name)][at])
+            if self.fp8 == "raw":
+                return {name: as_float8(x), scale_name(name): torch.from_numpy(scale)}
+            value = dequantize(x, scale)
+        elif self.manifest.dtype == "bfloat16":  # stored bits, viewed, never converted
+            value = torch.from_numpy(x.view(np.int16)).view(torch.bfloat16)
+        else:
+            value = torch.from_numpy(x)
+        return {name: value.reshape(len(value), -1) if value.ndim == 3 else value}
 
 
 def _default(value: int | None, default: int) -> int:
@@ -175,8 +189,13 @@ class _VisibleSamples:
 class HiddenStatesDataset(_VisibleSamples, Dataset):
     """Random access: item k is the k-th visible sample, in store (= plan) order."""
 
-    def __init__(self, url: str, storage_options: Mapping[str, Any] | None = None) -> None:
-        self._view = _StoreView(url, storage_options)
+    def __init__(
+        self,
+        url: str,
+        storage_options: Mapping[str, Any] | None = None,
+        fp8: Fp8Mode = "dequantize",
+    ) -> None:
+        self._view = _StoreView(url, storage_options, fp8=fp8)
 
     def __getitem__(self, k: int) -> Sample:
         if not -len(self) <= k < len(self):
@@ -213,8 +232,9 @@ class HiddenStatesIterable(_VisibleSamples, IterableDataset):
         storage_options: Mapping[str, Any] | None = None,
         concurrency: int | None = None,
         prefetch_bytes: int | None = None,
+        fp8: Fp8Mode = "dequantize",
     ) -> None:
-        self._view = _StoreView(url, storage_options, concurrency, prefetch_bytes)
+        self._view = _StoreView(url, storage_options, concurrency, prefetch_bytes, fp8)
         self.rank, self.world_size = rank, world_size
         self.shuffle, self.seed, self.epoch = shuffle, seed, 0
         self.block_bytes = block_bytes
@@ -256,7 +276,7 @@ class HiddenStatesIterable(_VisibleSamples, IterableDataset):
         """The shard's blocks: rows of samples [first, stop) as `tag`, grown by whole samples
         while they fit in block_bytes (at least one sample)."""
         v, m = self._view, self._view.manifest
-        row_bytes = (m.num_aux + 1) * m.hidden_size * (2 if m.dtype == "bfloat16" else 4)
+        row_bytes = sum(a.row_bytes for a in stored_arrays(m))
         i = shard.sample_begin
         while i < shard.sample_end:
             begin = int(v.sample_start[i])

@@ -11,7 +11,8 @@ each reported OK / FAIL / SKIP by name:
              deterministic layout and every sample has >= 1 token.
              Failing it makes the store unreadable (exit 2): the other checks are skipped.
 - arrays:    every array exists with the shape, dtype, chunks, codec and attributes the manifest
-             and layout imply (uint16 + the bf16 attribute for bfloat16); lengths agree.
+             and layout imply (uint16 + the bf16 attribute for bfloat16; uint8 + the fp8
+             attribute and a float32 `<name>_scale` array for fp8_e4m3); lengths agree.
 - layout:    sample lengths <= max_length; sample ranges inside the arrays, not overlapping;
              shards start on chunk boundaries.
 - commits:   every planned sample is in a committed shard with status written (1) or failed
@@ -24,8 +25,9 @@ each reported OK / FAIL / SKIP by name:
              (the store's key listing; skipped where the store cannot list keys). A missing
              chunk reads back as zeros, which only this check tells from a real value.
 - values:    the hidden rows of every written sample of a committed shard are finite (bf16
-             read off its exponent bits) and no row is all zero; read shard by shard in
-             chunk-aligned blocks of bounded size.
+             read off its exponent bits; fp8: no e4m3 NaN and a scale that is 0 or a finite
+             power of two, so every dequantized value is finite) and no row is all zero;
+             read shard by shard in chunk-aligned blocks of bounded size.
 - recompute: with a model and N > 0, N seeded random written samples are prefilled again on one
              patched SGLang server and compared with the stored rows (cosine and relative RMS
              error; bit-exact is not expected, batching differs).
@@ -48,7 +50,6 @@ import zarr
 from zarr.core.sync import sync
 
 from store.format import (
-    BF16_ATTR,
     HIDDEN_ARRAYS,
     PER_SAMPLE_BLOCK,
     PER_SHARD_BLOCK,
@@ -63,7 +64,9 @@ from store.format import (
     manifest_fields,
     open_group,
     plan_digest,
+    stored_arrays,
 )
+from store.fp8 import FP8_DTYPE, scale_name
 from store.location import StoreAccessError, describe_failure
 
 CHECKS = ("manifest", "arrays", "layout", "commits", "plan", "chunks", "values", "recompute")
@@ -337,8 +340,6 @@ class _Verifier:
     def expected_arrays(self) -> dict[str, tuple[tuple[int, ...], str, tuple[int, ...]]]:
         m, t, c = self.m, self.total, self.m.chunk_tokens
         n, s = self.store.num_samples, len(self.store.shards)
-        hidden = "uint16" if m.dtype == "bfloat16" else "float32"
-        aux, final = (m.num_aux, m.hidden_size), (m.hidden_size,)
         # Schema 2-3 stores were written whole: one chunk per array of these.
         streamed = m.schema_version >= 4
         per_sample = (PER_SAMPLE_BLOCK,) if streamed else (max(n, 1),)
@@ -346,8 +347,10 @@ class _Verifier:
         return {
             "input_ids": ((t,), "int32", (c,)),
             "loss_mask": ((t,), "uint8", (c,)),
-            "aux_hidden_states": ((t, *aux), hidden, (c, *aux)),
-            **{name: ((t, *final), hidden, (c, *final)) for name in m.hidden_arrays[1:]},
+            **{
+                a.name: ((t, *a.row_shape), a.dtype.name, (c, *a.row_shape))
+                for a in stored_arrays(m)
+            },
             "sample_start": ((n,), "int64", per_sample),
             "sample_length": ((n,), "int32", per_sample),
             "sample_id": ((n,), "str", (m.samples_per_shard,)),
@@ -387,12 +390,14 @@ class _Verifier:
             problems.append(f"dtype {arr.dtype} != {dtype}")
         if arr.chunks != chunks:
             problems.append(f"chunks {arr.chunks} != {chunks}")
-        if name in HIDDEN_ARRAYS:
-            attrs = dict(arr.attrs)
-            wanted = BF16_ATTR if self.m.dtype == "bfloat16" else {}
-            if {k: attrs.get(k) for k in BF16_ATTR} != {k: wanted.get(k) for k in BF16_ATTR}:
+        stored = {a.name: a for a in stored_arrays(self.m)}
+        if name in stored:
+            attrs, wanted = dict(arr.attrs), stored[name].attributes
+            if any(attrs.get(k) != v for k, v in wanted.items()) or (
+                not wanted and "stored_as" in attrs
+            ):
                 problems.append(f"attributes {attrs} != {wanted}")
-        if name in (*HIDDEN_ARRAYS, "input_ids", "loss_mask"):
+        if name in (*stored, "input_ids", "loss_mask"):
             codecs = [type(c).__name__ for c in arr.compressors]
             wanted_codecs = ["ZstdCodec"] if self.m.codec["name"] == "zstd" else []
             if codecs != wanted_codecs:
@@ -410,7 +415,7 @@ class _Verifier:
                 f"sample {self.name(i)}: length {lengths[i]} > max_length {m.max_length}",
             )
         ends = starts + lengths
-        for name in ("input_ids", "loss_mask", *self.m.hidden_arrays):
+        for name in ("input_ids", "loss_mask", *(a.name for a in stored_arrays(m))):
             if name in self.g:
                 rows = self.g[name].shape[0]
                 outside = np.flatnonzero((starts < 0) | (ends > rows))
@@ -576,7 +581,7 @@ class _Verifier:
     # -- chunks --
 
     def check_chunks(self) -> str | None:
-        arrays = [n for n in self.m.hidden_arrays if n not in self.bad_arrays]
+        arrays = [a.name for a in stored_arrays(self.m) if a.name not in self.bad_arrays]
         present = {n: stored_chunk_rows(self.g[n]) for n in arrays}
         if any(p is None for p in present.values()):
             self.report.checked["chunk_listing"] = False
@@ -608,7 +613,12 @@ class _Verifier:
     # -- values --
 
     def check_values(self, block_bytes: int = BLOCK_BYTES) -> str | None:
-        arrays = [n for n in self.m.hidden_arrays if n not in self.bad_arrays]
+        fp8 = self.m.dtype == FP8_DTYPE
+        arrays = [
+            n
+            for n in self.m.hidden_arrays
+            if n not in self.bad_arrays and not (fp8 and scale_name(n) in self.bad_arrays)
+        ]
         if self.report.checks.get("commits") != "ran":
             return "the commit check did not run"
         if not arrays:
@@ -616,8 +626,11 @@ class _Verifier:
         rows = nbytes = 0
         for sh in self.committed:
             for name in arrays:
-                arr = self.g[name]
-                nonfinite, zero = row_flags(arr, sh.token_begin, sh.token_end, block_bytes)
+                arr, span = self.g[name], (sh.token_begin, sh.token_end)
+                if fp8:
+                    nonfinite, zero = fp8_row_flags(arr, self.g[scale_name(name)], *span)
+                else:
+                    nonfinite, zero = row_flags(arr, *span, block_bytes)
                 self.report_rows(name, sh, nonfinite, zero)
                 rows += sh.token_end - sh.token_begin
                 nbytes += (sh.token_end - sh.token_begin) * _row_bytes(arr)
@@ -696,6 +709,30 @@ def row_flags(
         else:
             nonfinite[lo - start : hi - start] = ~np.isfinite(x).all(axis=1)
             zero[lo - start : hi - start] = ~x.any(axis=1)
+    return nonfinite, zero
+
+
+def fp8_row_flags(
+    values: zarr.Array, scales: zarr.Array, start: int, stop: int, block_bytes: int = BLOCK_BYTES
+) -> tuple[np.ndarray, np.ndarray]:
+    """row_flags of an FP8 hidden array: a row is non-finite where an e4m3 value is NaN (bits
+    x111_1111) or its scale is not 0 or a finite positive power of two, and zero where its
+    scale is 0 or every value is +-0 (the dequantized row is all zero)."""
+    chunk = values.chunks[0]
+    step = max(chunk, block_bytes // _row_bytes(values) // chunk * chunk)
+    nonfinite = np.zeros(stop - start, bool)
+    zero = np.zeros(stop - start, bool)
+    for lo in range(start, stop, step):
+        hi = min(stop, lo + step)
+        bits = np.asarray(values[lo:hi]).reshape(hi - lo, -1, values.shape[-1])
+        scale = np.asarray(scales[lo:hi], np.float32).reshape(hi - lo, -1)
+        with np.errstate(invalid="ignore"):
+            mantissa = np.frexp(scale)[0]
+        bad_scale = ~np.isfinite(scale) | (scale < 0) | ((scale > 0) & (mantissa != 0.5))
+        nan = ((bits & 0x7F) == 0x7F).any(axis=2)
+        nonfinite[lo - start : hi - start] = (nan | bad_scale).any(axis=1)
+        zero_layer = (scale == 0) | ~(bits & 0x7F).any(axis=2)
+        zero[lo - start : hi - start] = zero_layer.all(axis=1)
     return nonfinite, zero
 
 

@@ -22,6 +22,7 @@ from actors.sglang_server import ServerError
 from cluster.shard_queue import ShardQueueActor
 from store.format import Store, create_store, make_manifest
 from store.layers import expected_capture
+from store.reader import HiddenStatesDataset
 from tests.hf_reference import TOLERANCE, assert_matches
 from tests.local_ray import local_ray
 from tests.test_model_identity import fine_tuned_copy
@@ -180,6 +181,60 @@ def test_worker_writes_two_shards_matching_reference_and_plan(
     assert planned_mask.any() and not planned_mask.all()
     assert not list(tmp_path.glob("hsx-dumps-*")), "the worker leaves no dumps behind"
     assert not list(tmp_path.glob("hsx-worker-*")), "nor its server's log, having succeeded"
+
+
+def test_an_fp8_store_written_by_a_worker_dequantizes_to_the_reference(
+    ray_cluster: None, llama_path: Path, tmp_path: Path
+) -> None:
+    """store.dtype fp8_e4m3 from a bf16 server (tiny Llama): the reader's bf16 rows match
+    HF within TOLERANCE["fp8_e4m3"]; the same rows one token late do not."""
+    ids, masks = chat_prompts(llama_path, 6)
+    manifest = make_manifest(
+        str(llama_path),
+        llama_path,
+        expected_capture(llama_path, LAYERS, "bfloat16"),
+        max_length=4096,
+        samples_per_shard=6,
+        chunk_tokens=64,
+        dtype="fp8_e4m3",
+    )
+    url = tmp_path / "store.zarr"
+    create_store(url, manifest, [f"sample-{i}" for i in range(6)], ids, masks)
+    queue = ShardQueueActor.remote([0], lease_seconds=60)
+    config = worker_config(llama_path, url, tmp_path, server_args=["--dtype", "bfloat16"])
+    worker = NodeWorker.options(resources={"sglang_node": 1}).remote(config, queue)
+    (summary,) = ray.get(worker.run.remote(), timeout=600)
+    assert summary["written"] == 6 and not summary["failed"]
+    store = Store.open(url)
+    assert store.group["aux_hidden_states"].dtype == np.uint8
+    data, n = HiddenStatesDataset(str(url)), len(LAYERS)
+    for k in range(6):
+        sample = data[k]
+        aux = sample["aux_hidden_states"].reshape(len(sample["input_ids"]), n, -1)
+        assert_matches(
+            llama_path,
+            sample["input_ids"].tolist(),
+            store.manifest.layer_ids,
+            aux,
+            sample["final_hidden_states"],
+            **TOLERANCE["fp8_e4m3"],
+            what=f"sample {k}",
+            prenorm=sample["prenorm_hidden_states"],
+        )
+    late = data[3]  # its rows one token late: the previous token's first
+    ids3 = late["input_ids"].tolist()
+    aux = torch.cat([data[2]["aux_hidden_states"][-1:], late["aux_hidden_states"][:-1]])
+    final = torch.cat([data[2]["final_hidden_states"][-1:], late["final_hidden_states"][:-1]])
+    with pytest.raises(AssertionError, match="late: aux differs"):
+        assert_matches(
+            llama_path,
+            ids3,
+            store.manifest.layer_ids,
+            aux.reshape(len(ids3), n, -1),
+            final,
+            **TOLERANCE["fp8_e4m3"],
+            what="late",
+        )
 
 
 def test_server_killed_mid_shard_is_restarted_and_the_shard_completes(

@@ -192,7 +192,7 @@ def test_wrong_length_is_refused_naming_the_sample(tmp_path: Path) -> None:
     aux, final = sample_bits(2)
     with pytest.raises(ValueError, match=r"sample 2 \(s2-é\).*expected 13 rows"):
         writer.write_sample(2, as_input(aux[:-1], 0), as_input(final[:-1], 0))
-    with pytest.raises(ValueError, match=r"sample 2 \(s2-é\) final_hidden_states: dtype float32"):
+    with pytest.raises(ValueError, match=r"sample 2 \(s2-é\) final: dtype float32"):
         writer.write_sample(2, as_input(aux, 0), final.astype(np.float32))
     with pytest.raises(ValueError, match=r"sample 2 \(s2-é\): got 3 hidden arrays, the store"):
         writer.write_sample(2, as_input(aux, 0), as_input(final, 0), as_input(final, 0))

@@ -215,7 +215,7 @@ def edit_manifest(path: Path, edit) -> None:
         ),
         (lambda a: a["manifest"].pop("chunk_tokens"), 2, "missing ['chunk_tokens']"),
         (lambda a: a["manifest"].pop("weights_fingerprint"), 2, "missing ['weights_fingerprint']"),
-        (lambda a: a["manifest"].update(dtype="float16"), 2, "dtype must be bfloat16 or float32"),
+        (lambda a: a["manifest"].update(dtype="float16"), 2, "float32 or fp8_e4m3, got"),
         (lambda a: a["manifest"].update(max_length=4), 1, "sample 0 (s0): length 5 > max_length 4"),
     ],
 )
