@@ -105,9 +105,13 @@ def without_prenorm(url: str, to: Path) -> str:
 def probe(*args: str | Path) -> tuple[dict[str, torch.Tensor], dict]:
     """tests/trainer_probe.py in the trainers' venv; what it loaded and measured."""
     assert TRAINERS_PYTHON.exists(), f"{TRAINERS_PYTHON} is missing: run `make setup`"
-    out = Path(args[1]).parent / f"probe-{Path(args[1]).name}"
+    first = Path(str(args[1]).split(",")[0])
+    out = first.parent / f"probe-{first.name}"
     argv = [str(TRAINERS_PYTHON), str(PROBE), *map(str, args[:2]), str(args[2]), str(out)]
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}  # none of our code there
+    # The trainers' torch.compile'd helpers run as plain PyTorch: the same code, minus ~30 s of
+    # compiling on CPU.
+    env["TORCHDYNAMO_DISABLE"] = "1"
     done = subprocess.run([*argv, *map(str, args[3:])], capture_output=True, text=True, env=env)
     assert done.returncode == 0, done.stderr[-4000:]
     return load_file(f"{out}.safetensors"), json.loads(Path(f"{out}.json").read_text())
@@ -128,6 +132,7 @@ def hf_top1(model: Path, input_ids: torch.Tensor) -> torch.Tensor:
 
 
 def agreement(loaded: dict[str, torch.Tensor], model: Path, indices: list[int]) -> float:
+    """The fraction of tokens whose teacher top-1 is the HF float32 model's."""
     same = total = 0
     for i in indices:
         want = hf_top1(model, loaded[f"{i}.input_ids"])
@@ -184,8 +189,8 @@ def test_speculators_loads_its_export_bit_for_bit_and_trains_on_the_pre_norm_tea
     ] == "pre_norm" and f"--target-layer-ids {' '.join(map(str, layers))} " in (
         doc["speculators_command"] + " "
     )
-    loaded, facts = probe("speculators", out, job["model"], *layers)
-    control, _ = probe("speculators", wrong, job["model"], *layers)
+    loaded, facts = probe("speculators", f"{out},{wrong}", job["model"], *layers)
+    control = {k.removeprefix("0/"): v for k, v in loaded.items() if k.startswith("0/")}
 
     ds = HiddenStatesDataset(job["url"])
     assert facts["files"] == len(ds) == 8

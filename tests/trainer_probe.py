@@ -4,7 +4,7 @@ one training step with its own model code on CPU. Writes what it loaded to OUT.s
 what it measured to OUT.json, for tests/test_trainers.py to check against the store.
 
     python tests/trainer_probe.py specforge EXPORT_DIR RUN_CONFIG_JSON OUT
-    python tests/trainer_probe.py speculators EXPORT_DIR VERIFIER_DIR OUT LAYER_ID...
+    python tests/trainer_probe.py speculators EXPORT_DIR[,CONTROL...] VERIFIER_DIR OUT LAYER_ID...
 
 Per sample `i` (the store's global sample index, from the file name): `i.input_ids`,
 `i.loss_mask`, `i.draft_input` (what the draft model is fed), `i.target` (the state its
@@ -24,7 +24,7 @@ from safetensors.torch import save_file
 # The trainers' own code paths that need no GPU. SpecForge: attention_backend "sdpa" (its
 # flex_attention default compiles a kernel), and its KL loss `LogSoftmaxLoss` (a Triton
 # kernel) swapped for `_compute_loss`, marked "Reference implementation" in the same
-# specforge/core/loss.py (run uncompiled); speculators: draft_attn_impl "sdpa" and
+# specforge/core/loss.py; speculators: draft_attn_impl "sdpa" and
 # loss_implementation "eager" (its PyTorch version of the fused loss).
 SPECFORGE_CPU_OVERRIDES = ["training.attention_backend=sdpa"]
 
@@ -36,7 +36,7 @@ class SpecForgeReferenceLoss:
     def apply(logits, target_p, position_mask):
         from specforge.core.loss import _compute_loss
 
-        return _compute_loss._torchdynamo_orig_callable(logits, target_p, position_mask)
+        return _compute_loss(logits, target_p, position_mask)
 
 
 def file_index(path: str) -> int:
@@ -119,8 +119,11 @@ def probe_specforge(export_dir: str, run_config: str, out: str) -> tuple[dict, d
 
 
 def probe_speculators(
-    export_dir: str, verifier: str, out: str, layer_ids: list[int]
+    export_dirs: str, verifier: str, out: str, layer_ids: list[int]
 ) -> tuple[dict, dict]:
+    """`export_dirs`: the export, then (comma-separated) controls loaded with the same model,
+    their tensors under `k/` (k counting from 0); the training step runs on the export."""
+    export_dir, *controls = export_dirs.split(",")
     from speculators.data_generation.offline import check_hidden_states
     from speculators.models.eagle3.core import Eagle3DraftModel
     from speculators.models.eagle3.data import shift_batch
@@ -158,24 +161,26 @@ def probe_speculators(
         "d2t_size": len(d2t),
     }
     tensors, present = {}, 0
-    for i in range(len(dataset)):
-        sample = dataset[i]
-        if isinstance(sample, SampleUnavailable):
-            continue
-        present += 1
-        raw = dataset.transfer.get_cached(i)
-        check_hidden_states(raw, dataset.data[i]["input_ids"].tolist())  # raises if not
-        last = sample["verifier_last_hidden_states"]
-        # Eagle3DraftModel.forward's teacher, under the trainer's autocast.
-        with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
-            logits = model.verifier_lm_head(model.verifier_norm(last.to(torch.bfloat16)))
-        tensors |= {
-            f"{i}.input_ids": sample["input_ids"],
-            f"{i}.loss_mask": sample["loss_mask"],
-            f"{i}.draft_input": sample["hidden_states"],
-            f"{i}.target": last,
-            f"{i}.teacher_top1": logits.argmax(-1),
-        }
+    for prefix, data_dir in (("", export_dir), *((f"{k}/", d) for k, d in enumerate(controls))):
+        read = ArrowDataset(max_len=8192, datapath=data_dir, on_missing="skip")
+        for i in range(len(read)):
+            sample = read[i]
+            if isinstance(sample, SampleUnavailable):
+                continue
+            present += not prefix
+            raw = read.transfer.get_cached(i)
+            check_hidden_states(raw, read.data[i]["input_ids"].tolist())  # raises if not
+            last = sample["verifier_last_hidden_states"]
+            # Eagle3DraftModel.forward's teacher, under the trainer's autocast.
+            with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+                logits = model.verifier_lm_head(model.verifier_norm(last.to(torch.bfloat16)))
+            tensors |= {
+                f"{prefix}{i}.input_ids": sample["input_ids"],
+                f"{prefix}{i}.loss_mask": sample["loss_mask"],
+                f"{prefix}{i}.draft_input": sample["hidden_states"],
+                f"{prefix}{i}.target": last,
+                f"{prefix}{i}.teacher_top1": logits.argmax(-1),
+            }
     train, _ = create_train_val_loaders(
         data_path=export_dir,
         total_seq_len=512,
