@@ -7,6 +7,10 @@ VENV := .venv
 PY := $(VENV)/bin/python
 PIP := $(PY) -m pip --disable-pip-version-check -q
 STAMP := $(VENV)/.setup-done
+# The released trainers the export tests run (requirements/trainers.txt): a venv of their own
+# over the project's packages.
+TRAINERS_VENV := .venv-trainers
+TRAINERS_STAMP := $(TRAINERS_VENV)/.setup-done
 SETUP_INPUTS := Makefile pyproject.toml requirements/sglang-cpu.lock.txt requirements/project.txt \
 	requirements/bench.txt \
 	shims/sgl_kernel/pyproject.toml $(wildcard shims/sgl_kernel/src/sgl_kernel/*.py)
@@ -14,7 +18,7 @@ BENCH ?=
 
 .PHONY: setup demo test bench lint clean
 
-setup: $(STAMP)
+setup: $(STAMP) $(TRAINERS_STAMP)
 
 # Order matters: SGLang's CPU dependency lock first, then sglang itself without its (CUDA)
 # dependencies, then ours, then the benchmarks' peer (SpecForge, without the torch/sglang it
@@ -32,6 +36,17 @@ $(STAMP): $(SETUP_INPUTS)
 	$(PY) -m tools.check_env
 	touch $(STAMP)
 
+# No pip of its own: the project venv's pip installs into it (--python), --no-deps; the .pth
+# file puts the project venv's site-packages after its own on sys.path.
+$(TRAINERS_STAMP): $(STAMP) requirements/trainers.txt
+	rm -rf $(TRAINERS_VENV)
+	$(PYTHON) -m venv --without-pip $(TRAINERS_VENV)
+	$(PY) -c "import site; print(site.getsitepackages()[0])" > \
+		"$$($(TRAINERS_VENV)/bin/python -c 'import site; print(site.getsitepackages()[0])')/project-venv.pth"
+	$(PIP) --python $(TRAINERS_VENV)/bin/python install --no-deps -r requirements/trainers.txt
+	$(TRAINERS_VENV)/bin/python -c "import speculators.train.data, specforge.runtime.data_plane.offline_reader"
+	touch $(TRAINERS_STAMP)
+
 demo: setup
 	$(PY) -m tools.demo
 
@@ -46,4 +61,4 @@ lint: setup
 	$(VENV)/bin/ruff format --check .
 
 clean:
-	rm -rf $(VENV) .cache out
+	rm -rf $(VENV) $(TRAINERS_VENV) .cache out

@@ -123,7 +123,7 @@ def main() -> None:
                 ]
                 rows = capture(server, prompts, f"r{r}")
                 if layer_amax is None:  # why a scale per layer: their magnitudes differ
-                    aux, *finals = (torch.cat(states).float() for states in zip(*rows))
+                    aux, *finals = (torch.cat(states).float() for states in zip(*rows, strict=True))
                     layer_amax = [
                         *aux.abs().amax(-1).median(0).values.tolist(),
                         *(float(f.abs().amax(-1).median()) for f in finals),

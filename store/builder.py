@@ -22,6 +22,7 @@ the store is checked against its digest instead of written.
 
 from __future__ import annotations
 
+import uuid
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -74,7 +75,8 @@ class StoreBuilder:
         overwrite: bool = False,
         storage_options: Mapping[str, Any] | None = None,
     ) -> StoreBuilder:
-        """Every array (empty) and attribute but `rejected` and `planned`; `created` last.
+        """Every array (empty) and attribute (`store_id` a fresh uuid) but `rejected` and
+        `planned`; `created` last.
         Fails if something already exists there, unless `overwrite` (for a store whose
         creation was interrupted)."""
         location = open_location(url, storage_options)
@@ -88,7 +90,14 @@ class StoreBuilder:
                     f"{url}: not empty (it holds {existing!r}): a new store needs an empty location"
                 )
         m = manifest
-        attrs = {"manifest": m.to_json(), "rejected": [], "job": dict(job or {})}
+        # `store_id`: new at every creation, so what was made from an earlier store at the
+        # same URL (an export) can tell this one apart even with the same manifest and job.
+        attrs = {
+            "manifest": m.to_json(),
+            "rejected": [],
+            "job": dict(job or {}),
+            "store_id": uuid.uuid4().hex,
+        }
         group = zarr.create_group(
             store=location, zarr_format=3, attributes=attrs, overwrite=overwrite
         )

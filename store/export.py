@@ -1,5 +1,7 @@
-"""Exporters from a store to the two offline formats drafter trainers read: SpecForge and vLLM
-speculators (`python -m cluster export --store URL --format {specforge,speculators} --out DIR`).
+"""Exporters from a store to the offline formats of the two drafter trainers, as released:
+SpecForge 0.2.0 and vLLM speculators 0.9.0 (`python -m cluster export --store URL --format
+{specforge,speculators} --out DIR`). tests/test_trainers.py loads every export through the
+trainers' own loaders and runs a training step with their own model code.
 
 Both stream the store through `HiddenStatesIterable` (one block of samples in memory at a time),
 so only committed, written samples are exported; uncommitted shards and failed samples never are.
@@ -8,69 +10,77 @@ resumes and across shards committed later. Every file is written under a tempora
 own directory (`.<name>.tmp-<pid>-<hex>`, which neither trainer's file scan matches), fsynced,
 then `os.replace`d: an interrupted export leaves whole files only, and the next run removes the
 temporaries and skips every sample whose file exists. `export.json` in the output directory
-records the store URL, its manifest and `job`, the format, and `exported` ([index, sample_id]
-pairs), written before the first sample (so a resumed run can check it) and rewritten at the end;
-a run against another store, manifest or format into the same directory is refused
-(`ExportConflict`), as is a non-empty directory without `export.json`. Hidden states are copied
-bit for bit (bf16 stays bf16, float32 stays float32): neither format demands a conversion. An
-FP8 store (store/fp8.py) goes to SpecForge dequantized to bf16 (exact: e4m3 value x a
-power-of-two scale), and to speculators in its FP8 format, its bits and scales unchanged.
+records the store URL and `store_id` (a uuid written when the store was created: a store made
+again at the same URL has another), its manifest and `job`, the format, what was written
+(`hidden_dtype`, `last_slot`) and `exported` ([index, sample_id] pairs); it is written before the
+first sample (so a resumed run can check it) and rewritten at the end. A run against another
+store (or the same URL created again), manifest, format or choice of state into the same
+directory is refused (`ExportConflict`), as is a non-empty directory without `export.json`.
 
-SpecForge (sgl-project/SpecForge), offline EAGLE-3 training data, one torch-saved dict per sample:
+SpecForge 0.2.0 (sgl-project/SpecForge), offline EAGLE-3 training data, one torch-saved dict
+per sample; exactly 3 aux layers (others are refused):
 
     OUT/rows_{g}-{g + 2000}/data_{index}.ckpt      g = index // 2000 * 2000
     {"input_ids":        int64 [T],
      "loss_mask":        int64 [T],
-     "hidden_state":     [1, T, H]            final hidden state, post-norm (the lm_head input)
-     "aux_hidden_state": [1, T, num_aux * H]} aux layers concatenated on the last axis
-hidden states in the model dtype (bf16 here), with the batch axis of 1 the generator adds.
-Sources: `scripts/prepare_hidden_states.py` (commit f1424fb6): the `DataPoint` dataclass saved
-with `torch.save(asdict(...))` in that key order, `_get_file_path` (`rows_{g}-{g+size}/
-data_{idx}.ckpt`, `--file-group-size` default 2000), `last_hidden_states` / `aux_hidden_states`
-saved as `.cpu().clone().unsqueeze(0)`, input_ids / loss_mask 1-D. `specforge/data/
-preprocessing.py` (commit 280fab91): `list_local_files` walks the directory for `*.ckpt` (later
-versions also `.ckpt.gz`, sorted), `OfflineEagle3Dataset.process_data` feeds
-`aux_hidden_state.squeeze(0)` to the draft model as "hidden_state" and `hidden_state.squeeze(0)`
-as "target", after `torch.load(path, weights_only=False[, mmap=True])`. `specforge/modeling/
-target/target_head.py` (commit afc8195a): `TargetHead.forward` is the bare lm_head (no norm), and
-`sglang_backend/utils.py` (commit 5fbac9e8) takes `last_hidden_states` as the input of SGLang's
-LogitsProcessor (after the model's final norm) and `torch.cat(aux_hidden_states, dim=-1)`: so
-`hidden_state` is post-norm, as this store's `final_hidden_states` (manifest `final_state`).
-Layer numbering: SpecForge's `--aux-hidden-states-layers` (default `[1, L // 2 - 1, L - 4]`,
-`specforge/modeling/target/eagle3_target_model.py`, commit f093c4e6) are SGLang capture ids,
-which SGLang's `set_eagle3_layers_to_capture` resolves per model family ("we will add 1 to the
-layer index", `prepare_hidden_states.py` commit 0168a597, holds for Llama-style models;
-DeepSeek-style ones take the ids as given unless the first is 1): export.json records the ids
-that resolve to this store's HF indices as `specforge_aux_layers` (store.layers.
-requested_layer_ids; null when the model's config.json is not readable where it runs).
+     "hidden_state":     bf16 [1, T, H]          final hidden state, post-norm (the lm_head input)
+     "aux_hidden_state": bf16 [1, T, 3 * H]}     aux layers concatenated on the last axis
+Always bf16: a float32 store is cast with `Tensor.to(torch.bfloat16)`, round to nearest even
+(bf16 stores are copied bit for bit). Train with `specforge train -c run.yaml`, run.yaml holding
+`model.target_model_path`, `model.aux_hidden_state_layer_ids`, `data.hidden_states_path` (this
+directory) and `data.max_length` (the store's); export.json holds it as `specforge_run_config`.
+Sources (the 0.2.0 wheel): `specforge/runtime/data_plane/offline_reader.py`:
+`OfflineManifestReader` / `list_feature_files` walk the directory for `*.ckpt` and `*.ckpt.gz`,
+sorted, the raw keys `input_ids, loss_mask, hidden_state, aux_hidden_state`; `feature_store.py`
+`load_feature_file` (and `data/preprocessing.py` `build_offline_eagle3_dataset` /
+`OfflineEagle3Dataset`) `torch.load(path, weights_only=False, mmap=True)`;
+`algorithms/eagle3/data.py` `normalize_offline_sample` feeds `aux_hidden_state.squeeze(0)` to
+the draft as "hidden_state" and `hidden_state.squeeze(0)` as "target", truncating to
+`data.max_length` (default 2048); `training/strategies/base.py` `_prepare_eagle_target` runs
+`TargetHead` on the target, and `modeling/target/target_head.py` loads that lm_head in bf16
+with no norm (so the target is post-norm, this store's `final_hidden_states`, and must be bf16:
+a float32 one fails in its matmul). `config/schema.py` (`ModelConfig`, `DataConfig`: exactly
+one of the data sources; `hidden_states_path` selects offline mode); `application/planning.py`
+and `algorithms/model_providers.py` `resolve_eagle_capture_layers`: exactly three layer ids,
+default `[1, L // 2 - 1, L - 4]`; `modeling/draft/llama3_eagle.py`: the draft's fc takes
+`3 * hidden_size`. The layer ids are SGLang capture ids, which SGLang's
+`set_eagle3_layers_to_capture` resolves per model family (Llama-style models add 1,
+DeepSeek-style take them as given unless the first is 1): export.json records the ids that
+resolve to this store's HF indices as `specforge_aux_layers` (store.layers.requested_layer_ids;
+null when the model's config.json is not readable where it runs).
 
-vLLM speculators (vllm-project/speculators), `scripts/train.py --data-path OUT`, read by
-`speculators.train.data.ArrowDataset`:
+vLLM speculators 0.9.0 (vllm-project/speculators), `speculators train --data-path OUT ...`
+(the 0.9.0 source tree's `scripts/train.py` takes the same flags), read by
+`speculators.train.data.ArrowDataset`; any number of aux layers:
 
     OUT/  a Hugging Face dataset (`save_to_disk`: state.json, dataset_info.json, data-*.arrow)
           with one row per planned sample of the store, in store order, torch format:
           input_ids int64 [T], loss_mask int64 [T], seq_len int64
+    OUT/token_freq.pt   {token id: count} over the loss-masked tokens of every row (int keys
+          and values, torch.save; loads with weights_only=True)
     OUT/hidden_states/hs_{index}.safetensors
-          {"hidden_states": [T, num_aux + 1, H]   aux layers in ascending layer_ids, then final
+          {"hidden_states": [T, num_aux + 1, H]   aux layers in ascending layer_ids, then the
+                                                  PRE-norm final state
            "token_ids":     int64 [T]}            equal to the row's input_ids
-Sources: `src/speculators/train/data.py` (commit 0332621a): `ArrowDataset` loads
-`load_from_disk(datapath)`, hidden states from `FileTransfer(datapath / "hidden_states")`
-(`--hidden-states-path`), file index = dataset row index; it requires `token_ids` to equal the
-row's `input_ids`, takes `hidden_states[:, :-1].flatten(1)` as the draft input and
-`hidden_states[:, -1]` as `verifier_last_hidden_states`, `loss_mask` from the row and lengths
-from `seq_len`. `src/speculators/_vendor/hs_connectors/transfer.py` (commit 1e3238f8):
-`hs_{file_idx}.safetensors`, read with `safetensors.torch.load_file`. `src/speculators/
-data_generation/offline.py` (commit f9c870a4): "hs_i.safetensors (where i is the file index)";
-its later `check_hidden_states` (imported by data.py above) wants keys `token_ids` and
-`hidden_states`, `hidden_states.shape[0] == len(tokens)` and finite values. `scripts/train.py`
-(commit 02a40fe7): `--data-path`, `--hidden-states-path`, `--on-missing`, `--target-layer-ids`.
-`scripts/launch_vllm.py` (commit 01a981e8): vLLM's `extract_hidden_states` method with target
-layer ids `[2, L // 2, L - 3, L]` by default (`--include-last-layer` appends L =
-num_hidden_layers), the ids counting like HF `hidden_states` indices; vLLM's
-`ExampleHiddenStatesConnector` writes exactly these two keys, bf16. Rows without a file (failed
-or uncommitted samples) make the trainer fall back to `--on-missing` (default "generate", which
-asks a vLLM server): train with `--on-missing skip`, and with `--target-layer-ids <layer_ids> L`
-unless the layer ids are the default.
+Hidden states in the store's dtype (the trainer casts to its `--hidden-states-dtype`, bf16 by
+default). Sources (the 0.9.0 wheel): `speculators/train/data.py`: `ArrowDataset` loads
+`load_from_disk(datapath)`, hidden states through `hs_connectors.FileTransfer(datapath /
+"hidden_states")` (`hs_{file_idx}.safetensors`, file index = dataset row), wants `token_ids`
+equal to the row's `input_ids` (else the sample is skipped), takes `hidden_states[:, :-1]
+.flatten(1)` as the draft input and `hidden_states[:, -1]` as `verifier_last_hidden_states`,
+`loss_mask` from the row and lengths from `seq_len`; `data_generation/offline.py`
+`check_hidden_states`: keys `token_ids` and `hidden_states`, `hidden_states.shape[0] ==
+len(tokens)`, finite values; `models/eagle3/core.py` `Eagle3DraftModel.forward`: the teacher is
+`verifier_lm_head(verifier_norm(verifier_last_hidden_states))`, so the last slot must be the
+final norm's *input* (as vLLM captures it); its fc takes `len(target_layer_ids) * hidden_size`;
+`models/utils.py` `resolve_target_layer_ids` (default `[2, L // 2, L - 3]`, HF `hidden_states`
+indices) and `train/config/schema.py` ("--target-layer-ids ... excluding the final layer
+launch_vllm.py appends": the aux ids only, as `<ids> <L>` makes the fc one layer too wide);
+`train/cli.py` `_generate_vocab_mappings` reads `<data-path>/token_freq.pt` with
+`torch.load(weights_only=True)` for `--draft-vocab-size`, a dict made as
+`train/vocab_mapping.py` `save_token_frequency_distribution` makes it. Rows without a file
+(failed or uncommitted samples) make the trainer fall back to `--on-missing` (default
+"generate", which asks a vLLM server): the note says `--on-missing skip`.
 
 speculators' FP8 format (an FP8 store): the same files with
           {"hidden_states":        float8_e4m3fn [T, num_aux + 1, H]   the store's e4m3 bits
@@ -85,13 +95,11 @@ token and layer, which the same broadcast product reads as it is (checked: FP8Tr
 `get_cached` on such an export gives exactly this store's reader rows, hs-connectors 0.9.0).
 The scales are powers of two, so that bf16 product equals this store's reader.
 
-Mismatch (speculators only): vLLM's slot L is the last decoder layer's output *before* the model's
-final norm, and the trainer applies the verifier's final norm (`model.norm.weight`) to
-`hidden_states[:, -1]` before its lm_head (vllm-project/speculators PR #313, merged 2026-02-26,
-`src/speculators/models/eagle3/core.py`; earlier releases applied no norm). This store keeps the
-*post-norm* final state, so such a trainer normalizes twice; RMSNorm drops the scale, so the
-pre-norm state cannot be rebuilt here. The export writes the stored bits unchanged, warns, and
-records `final_state` in export.json. SpecForge expects post-norm and has no such mismatch.
+A store without the pre-norm state (manifest `final_states` without "pre_norm") is refused for
+speculators: its post-norm state would be normalized twice (the teacher then agrees with the
+model's own top-1 only ~80% of the time), and RMSNorm drops the scale, so the pre-norm state
+cannot be rebuilt. `allow_post_norm=True` (`--allow-post-norm`) writes the post-norm state in
+the last slot anyway, with a warning and `last_slot: "post_norm"` in export.json.
 """
 
 from __future__ import annotations
@@ -106,6 +114,7 @@ import secrets
 import shutil
 import sys
 import time
+from collections import Counter
 from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import IO, Any, Literal
@@ -114,7 +123,7 @@ import numpy as np
 import torch
 import zarr
 
-from store.format import Manifest, Store, StoreFormatError
+from store.format import FINAL_STATE_ARRAYS, Manifest, Store, StoreFormatError
 from store.fp8 import FP8_DTYPE, scale_name
 from store.layers import model_config, requested_layer_ids
 from store.location import StoreAccessError
@@ -123,8 +132,14 @@ from store.reader import HiddenStatesIterable
 Format = Literal["specforge", "speculators"]
 FORMATS: tuple[str, ...] = ("specforge", "speculators")
 EXPORT_JSON = "export.json"
-EXPORT_VERSION = 1
-SPECFORGE_GROUP = 2000  # SpecForge's --file-group-size default
+# 2: store_id, hidden_dtype, last_slot; SpecForge always bf16, speculators' last slot pre-norm,
+# token_freq.pt.
+EXPORT_VERSION = 2
+SPECFORGE_GROUP = 2000  # files per rows_* directory, as SpecForge's own generator groups them
+SPECFORGE_NUM_AUX = 3  # SpecForge 0.2.0's EAGLE-3 draft: fc over 3 x hidden_size
+SPECULATORS_SEQ_LEN = 8192  # speculators 0.9.0's --total-seq-len default
+TOKEN_FREQ = "token_freq.pt"
+ALLOW_POST_NORM_FLAG = "--allow-post-norm"
 LOCK_NAME = ".export.lock"
 TMP_MARK = ".tmp-"  # temporaries are ".<final name>.tmp-<pid>-<hex>"
 PROGRESS_EVERY_S = 30.0
@@ -155,13 +170,15 @@ def export(
     fmt: Format,
     *,
     storage_options: Mapping[str, Any] | None = None,
+    allow_post_norm: bool = False,
     say: Callable[[str], Any] = print,
 ) -> dict[str, Any]:
     """Export every committed, written sample of the store at `url` into `out_dir` in `fmt`
     (see the module docstring for both layouts). Resumable: a sample whose file exists is
-    skipped. Returns {format, out_dir, exported (written this run), skipped (already there),
-    files (sample files the export now holds), bytes (written this run), seconds,
-    removed_temporaries}."""
+    skipped. `allow_post_norm`: speculators only, write a store's post-norm final state in
+    the last slot when it has no pre-norm one (refused otherwise). Returns {format, out_dir,
+    exported (written this run), skipped (already there), files (sample files the export now
+    holds), bytes (written this run), seconds, removed_temporaries}."""
     if fmt not in FORMATS:
         raise ValueError(f"format must be one of {', '.join(FORMATS)}, got {fmt!r}")
     start = time.monotonic()
@@ -169,6 +186,7 @@ def export(
         store = Store.open(url, storage_options=storage_options)
     except (FileNotFoundError, zarr.errors.GroupNotFoundError) as exc:
         raise StoreAccessError(f"{url}: no store there ({exc})") from None
+    last_slot = _check_exportable(url, store.manifest, fmt, allow_post_norm)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     sample_ids = [str(s) for s in np.asarray(store.group["sample_id"][:])]
@@ -176,11 +194,11 @@ def export(
         removed = _remove_temporaries(out)
         if removed:
             say(f"export: removed {removed} temporary file(s) left by an interrupted run")
-        doc = _begin(out, url, store, fmt, sample_ids)
+        doc = _begin(out, url, store, fmt, sample_ids, last_slot)
         for note in doc["notes"]:
             say(f"export: note: {note}")
         if fmt == "speculators":
-            _write_dataset(out, store, say)
+            _write_dataset(out, store, say)  # with token_freq.pt
         # speculators has an FP8 format: its bits and scales go as they are; SpecForge: bf16.
         fp8 = "raw" if fmt == "speculators" else "dequantize"
         reader = HiddenStatesIterable(
@@ -204,7 +222,7 @@ def export(
                     if path.parent not in made:
                         path.parent.mkdir(parents=True, exist_ok=True)
                         made.add(path.parent)
-                    written += _write_atomic(path, _encoder(fmt, sample, store))
+                    written += _write_atomic(path, _encoder(fmt, sample, store, last_slot))
                     exported += 1
                 if time.monotonic() - last >= PROGRESS_EVERY_S:
                     last = time.monotonic()
@@ -236,11 +254,13 @@ def export(
 
 def read_exported(out_dir: str | Path, fmt: Format, sample_index: int) -> dict[str, Any]:
     """One exported sample read back, in the reader's sample layout: sample_id, input_ids int64
-    [T], loss_mask int64 [T], aux_hidden_states [T, num_aux * H], final_hidden_states [T, H].
-    SpecForge files are read with `torch.load(weights_only=True)`; speculators files with
-    safetensors, their loss_mask from the export's dataset row (that format keeps it there)."""
+    [T], loss_mask int64 [T], aux_hidden_states [T, num_aux * H] and the final state [T, H]
+    under the reader's name for it: `final_hidden_states` (post-norm; SpecForge, or speculators
+    with `last_slot` "post_norm") or `prenorm_hidden_states` (speculators). SpecForge files are
+    read with `torch.load(weights_only=True)`; speculators files with safetensors, their
+    loss_mask from the export's dataset row (that format keeps it there)."""
     out = Path(out_dir)
-    ids = _exported_ids(out / EXPORT_JSON, fmt)
+    ids, last_slot = _exported_ids(out / EXPORT_JSON, fmt)
     if sample_index not in ids:
         raise KeyError(f"sample {sample_index} is not among the samples exported to {out}")
     path = sample_path(out, fmt, sample_index)
@@ -265,7 +285,7 @@ def read_exported(out_dir: str | Path, fmt: Format, sample_index: int) -> dict[s
         "input_ids": data["token_ids"],
         "loss_mask": row["loss_mask"],
         "aux_hidden_states": hidden[:, :-1].reshape(len(hidden), -1),
-        "final_hidden_states": hidden[:, -1],
+        FINAL_STATE_ARRAYS[last_slot]: hidden[:, -1],
     }
 
 
@@ -281,9 +301,21 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--store", required=True, metavar="URL", help="the store (store.url)")
     parser.add_argument("--format", required=True, choices=FORMATS, help="target format")
     parser.add_argument("--out", required=True, metavar="DIR", help="output directory")
+    parser.add_argument(
+        ALLOW_POST_NORM_FLAG,
+        action="store_true",
+        help="speculators, a store without the pre-norm final state: write the post-norm one "
+        "in the last slot (speculators normalizes it again: a wrong teacher)",
+    )
     args = parser.parse_args(sys.argv[1:] if argv is None else argv)
     try:
-        export(args.store, args.out, args.format, say=lambda text: print(text, flush=True))
+        export(
+            args.store,
+            args.out,
+            args.format,
+            allow_post_norm=args.allow_post_norm,
+            say=lambda text: print(text, flush=True),
+        )
     except (StoreFormatError, StoreAccessError) as exc:
         print(f"error: {exc}", file=sys.stderr, flush=True)
         return 2
@@ -296,36 +328,69 @@ def main(argv: list[str] | None = None) -> int:
 # ---- what each format writes -------------------------------------------------------------
 
 
-def _encoder(fmt: str, sample: dict[str, Any], store: Store) -> Callable[[IO[bytes]], None]:
+def _check_exportable(url: str, m: Manifest, fmt: str, allow_post_norm: bool) -> str | None:
+    """Refuses what the trainer cannot train on correctly, before anything is written.
+    Returns the final state speculators' last slot gets ("pre_norm" / "post_norm")."""
+    if fmt == "specforge":
+        if m.num_aux != SPECFORGE_NUM_AUX:
+            raise ExportError(
+                f"{url}: {m.num_aux} aux layers (layer_ids {m.layer_ids}); SpecForge 0.2.0 "
+                f"trains EAGLE-3 on exactly {SPECFORGE_NUM_AUX} (its draft's fc takes "
+                f"{SPECFORGE_NUM_AUX} x hidden_size and model.aux_hidden_state_layer_ids must "
+                f"hold three ids): export this store with --format speculators"
+            )
+        return None
+    if "pre_norm" in m.final_states:
+        return "pre_norm"
+    if not allow_post_norm:
+        raise ExportError(
+            f"{url}: the store holds no pre-norm final state (final states "
+            f"{m.final_states}); speculators builds its teacher as lm_head(norm(last slot)), "
+            f"so the post-norm state would be normalized twice. Capture again with "
+            f"store.prenorm: true, or pass {ALLOW_POST_NORM_FLAG} to export the post-norm "
+            f"state anyway"
+        )
+    return "post_norm"
+
+
+def _encoder(
+    fmt: str, sample: dict[str, Any], store: Store, last_slot: str | None
+) -> Callable[[IO[bytes]], None]:
     """The writer of one sample's file. The reader's tensors may view a whole read block:
-    they are copied (bit for bit) so a file holds its own sample only."""
+    they are copied so a file holds its own sample only (bit for bit, but for SpecForge's
+    float32 -> bf16 cast)."""
     ids = sample["input_ids"].clone()
     if fmt == "specforge":
         data = {  # SpecForge's DataPoint, in its field order
             "input_ids": ids,
             "loss_mask": sample["loss_mask"].clone(),
-            "hidden_state": sample["final_hidden_states"].clone().unsqueeze(0),
-            "aux_hidden_state": sample["aux_hidden_states"].clone().unsqueeze(0),
+            "hidden_state": _bf16(sample["final_hidden_states"]).unsqueeze(0),
+            "aux_hidden_state": _bf16(sample["aux_hidden_states"]).unsqueeze(0),
         }
         return functools.partial(torch.save, data)
     from safetensors.torch import save
 
     m = store.manifest
     aux = sample["aux_hidden_states"].reshape(len(ids), m.num_aux, m.hidden_size)
-    final = sample["final_hidden_states"].reshape(len(ids), 1, m.hidden_size)
+    final = sample[FINAL_STATE_ARRAYS[last_slot]].reshape(len(ids), 1, m.hidden_size)
     tensors = {"hidden_states": torch.cat([aux, final], dim=1), "token_ids": ids}
     if m.dtype == FP8_DTYPE:  # the reader's raw values: their scales go alongside
-        names = ("aux_hidden_states", "final_hidden_states")  # the slots written above
+        names = ("aux_hidden_states", FINAL_STATE_ARRAYS[last_slot])  # the slots above
         scales = [sample[scale_name(n)].reshape(len(ids), -1) for n in names]
         tensors["hidden_states_scales"] = torch.cat(scales, dim=1).unsqueeze(-1)
     blob = save(tensors)
     return lambda f: f.write(blob)
 
 
+def _bf16(t: torch.Tensor) -> torch.Tensor:
+    """A bf16 copy: bf16 bit for bit, float32 rounded to nearest even (torch's cast)."""
+    return t.clone() if t.dtype == torch.bfloat16 else t.to(torch.bfloat16)
+
+
 def _write_dataset(out: Path, store: Store, say: Callable[[str], Any]) -> None:
     """The speculators dataset: one row per planned sample (row = global sample index), from
-    the plan's own rows, a shard at a time. state.json is moved in last: its presence marks a
-    complete dataset."""
+    the plan's own rows, a shard at a time, and token_freq.pt counted from the same rows.
+    state.json is moved in last: its presence marks a complete dataset (and token_freq.pt)."""
     if (out / "state.json").exists():
         return
     import datasets
@@ -344,18 +409,18 @@ def _write_dataset(out: Path, store: Store, say: Callable[[str], Any]) -> None:
             ]
         )
         rows = tmp / "rows.arrow"
+        freq: Counter[int] = Counter()
         with pa.OSFile(str(rows), "wb") as f, pa.ipc.new_stream(f, schema) as writer:
             for sh in store.shards:  # samples lie back to back from token_begin
                 lengths = store.sample_length[sh.sample_begin : sh.sample_end].astype(np.int64)
                 offsets = pa.array(np.concatenate([[0], np.cumsum(lengths)]), pa.int32())
                 span = slice(sh.token_begin, sh.token_end)
-                columns = [
-                    pa.ListArray.from_arrays(
-                        offsets, pa.array(np.asarray(store.group[name][span], np.int64))
-                    )
-                    for name in ("input_ids", "loss_mask")
-                ]
+                ids, mask = (np.asarray(store.group[n][span], np.int64) for n in TOKEN_COLUMNS)
+                columns = [pa.ListArray.from_arrays(offsets, pa.array(a)) for a in (ids, mask)]
                 writer.write_batch(pa.record_batch([*columns, pa.array(lengths)], schema=schema))
+                freq.update(_token_counts(ids, mask))
+        # speculators' save_token_frequency_distribution: {token id: count} over loss_mask 1.
+        _write_atomic(out / TOKEN_FREQ, functools.partial(torch.save, dict(freq)))
         datasets.disable_progress_bars()
         dataset = datasets.Dataset.from_file(str(rows)).with_format("torch")
         dataset.save_to_disk(str(tmp / "saved"))
@@ -369,6 +434,15 @@ def _write_dataset(out: Path, store: Store, say: Callable[[str], Any]) -> None:
         if was_enabled:
             datasets.enable_progress_bars()
         shutil.rmtree(tmp, ignore_errors=True)
+
+
+TOKEN_COLUMNS = ("input_ids", "loss_mask")
+
+
+def _token_counts(ids: np.ndarray, mask: np.ndarray) -> dict[int, int]:
+    """Occurrences of each loss-masked token (the rows between samples are zero: unmasked)."""
+    tokens, counts = np.unique(ids[mask.astype(bool)], return_counts=True)
+    return dict(zip(tokens.tolist(), counts.tolist(), strict=True))
 
 
 @functools.lru_cache(maxsize=4)
@@ -385,59 +459,105 @@ def _load_dataset(out: Path) -> Any:
 # ---- export.json: identity, conflicts, mapping --------------------------------------------
 
 
-def _identity(url: str, store: Store, fmt: str) -> dict[str, Any]:
+def _identity(url: str, store: Store, fmt: str, last_slot: str | None) -> dict[str, Any]:
+    """What must be equal for a resumed export to add to a directory's files."""
     return json.loads(  # through JSON, as it is compared with a stored copy
         json.dumps(
             {
                 "format": fmt,
                 "store_url": _normal_url(url),
+                # None for a store created before store ids: its URL, manifest and job only.
+                "store_id": store.group.attrs.get("store_id"),
                 "manifest": store.manifest.to_json(),
                 "job": store.job,
+                "hidden_dtype": "bfloat16" if fmt == "specforge" else store.manifest.dtype,
+                "last_slot": last_slot,
             }
         )
     )
 
 
 def _specforge_layers(manifest: Manifest) -> list[int] | None:
-    """SpecForge's --aux-hidden-states-layers for the store's layers: the ids SGLang is asked
-    for (Llama-style models add 1 to each, DeepSeek-style take them as given), computed from
-    the model's config.json when it is readable here."""
+    """SpecForge's model.aux_hidden_state_layer_ids for the store's layers: the ids SGLang is
+    asked for (Llama-style models add 1 to each, DeepSeek-style take them as given), computed
+    from the model's config.json when it is readable here."""
     try:
         return requested_layer_ids(model_config(Path(manifest.model)), manifest.layer_ids)
     except (OSError, ValueError, KeyError):
         return None
 
 
-def _notes(store: Store, fmt: str) -> list[str]:
+def specforge_run_config(out: Path, manifest: Manifest) -> dict[str, Any]:
+    """The minimal run.yaml of `specforge train -c run.yaml` (SpecForge 0.2.0's
+    config/schema.py) for this export: offline mode through `data.hidden_states_path`."""
+    model: dict[str, Any] = {"target_model_path": manifest.model}
+    layers = _specforge_layers(manifest)
+    if layers is not None:
+        model["aux_hidden_state_layer_ids"] = layers
+    return {
+        "model": model,
+        # max_length: SpecForge truncates every sample to it (default 2048).
+        "data": {"hidden_states_path": str(out.resolve()), "max_length": manifest.max_length},
+    }
+
+
+def speculators_command(out: Path, manifest: Manifest) -> str:
+    """`speculators train` (0.9.0) on this export: the aux layer ids only (the last slot is
+    not one), rows without a file skipped rather than generated by a vLLM server."""
+    words = [
+        "speculators train",
+        f"--verifier-name-or-path {manifest.model}",
+        f"--data-path {out.resolve()}",
+        "--on-missing skip",
+        *(["--hidden-states-backend fp8"] if manifest.dtype == FP8_DTYPE else []),
+        f"--target-layer-ids {' '.join(map(str, manifest.layer_ids))}",
+    ]
+    if manifest.max_length > SPECULATORS_SEQ_LEN:  # it truncates packed batches to this
+        words.append(f"--total-seq-len {manifest.max_length}")
+    return " ".join(words)
+
+
+def _notes(out: Path, store: Store, fmt: str, last_slot: str | None) -> list[str]:
     m = store.manifest
     if fmt == "specforge":
-        layers = _specforge_layers(m)
-        if layers is None:
-            return [
-                f"SpecForge's --aux-hidden-states-layers are the ids SGLang is asked for: HF "
+        config = specforge_run_config(out, m)
+        notes = [
+            "train with `specforge train -c run.yaml` (SpecForge 0.2.0), run.yaml holding "
+            + json.dumps(config)
+            + " (export.json: specforge_run_config)"
+        ]
+        if "aux_hidden_state_layer_ids" not in config["model"]:
+            notes.append(
+                f"add model.aux_hidden_state_layer_ids: the ids SGLang is asked for, HF "
                 f"indices {m.layer_ids} minus 1 for Llama-style models, as given for "
                 f"DeepSeek-style ones ({m.model}/config.json is not readable here)"
-            ]
-        return [f"train SpecForge with --aux-hidden-states-layers {','.join(map(str, layers))}"]
-    fp8 = " --hidden-states-backend fp8" if m.dtype == FP8_DTYPE else ""
+            )
+        if m.dtype == "float32":  # an FP8 store's reader dequantizes to bf16 exactly
+            notes.append(
+                f"hidden states cast from {m.dtype} to bfloat16 (round to nearest even): "
+                f"SpecForge's target head is bf16"
+            )
+        return notes
     notes = [
-        f"train with speculators' scripts/train.py --data-path DIR --on-missing skip{fp8} "
-        f"--target-layer-ids {' '.join(map(str, m.layer_ids))} <num_hidden_layers> "
-        f"(rows without a file are failed or uncommitted samples)"
+        f"train with `{speculators_command(out, m)}` (speculators 0.9.0; add "
+        f"--draft-vocab-size N to prune the draft vocabulary with {TOKEN_FREQ}; rows without "
+        f"a file are failed or uncommitted samples)"
     ]
-    notes.append(
-        "hidden_states[:, -1] holds this store's post-norm final state; speculators "
-        "(since vllm-project/speculators PR #313) applies the verifier's final norm to it "
-        "before the lm_head, as vLLM captures it pre-norm: with this export the target is "
-        "normalized twice"
-    )
+    if last_slot != "pre_norm":
+        notes.append(
+            f"{ALLOW_POST_NORM_FLAG}: hidden_states[:, -1] holds the post-norm final state; "
+            f"speculators applies the verifier's final norm to it again before the lm_head, "
+            f"so its teacher is wrong"
+        )
     return notes
 
 
-def _begin(out: Path, url: str, store: Store, fmt: str, sample_ids: list[str]) -> dict:
+def _begin(
+    out: Path, url: str, store: Store, fmt: str, sample_ids: list[str], last_slot: str | None
+) -> dict:
     """export.json at the start of a run: created for a fresh directory, checked (and kept) for
     a resumed one. Refuses another store's, manifest's or format's directory."""
-    identity = _identity(url, store, fmt)
+    identity = _identity(url, store, fmt, last_slot)
     m = store.manifest
     doc = {
         "export_version": EXPORT_VERSION,
@@ -445,11 +565,14 @@ def _begin(out: Path, url: str, store: Store, fmt: str, sample_ids: list[str]) -
         "final_states": m.final_states,
         "layer_ids": list(m.layer_ids),
         "layout": _layout(fmt, m),
-        "notes": _notes(store, fmt),
+        "notes": _notes(out, store, fmt, last_slot),
         "num_planned_samples": int(store.num_samples),
     }
     if fmt == "specforge":
         doc["specforge_aux_layers"] = _specforge_layers(m)
+        doc["specforge_run_config"] = specforge_run_config(out, m)
+    else:
+        doc["speculators_command"] = speculators_command(out, m)
     path = out / EXPORT_JSON
     if not path.exists():
         strays = [p.name for p in out.iterdir() if p.name != LOCK_NAME and TMP_MARK not in p.name]
@@ -480,8 +603,10 @@ def _begin(out: Path, url: str, store: Store, fmt: str, sample_ids: list[str]) -
 def _differences(old: dict, new: dict) -> list[str]:
     out = []
     if old.get("export_version") != EXPORT_VERSION:
-        out.append(f"export_version {old.get('export_version')!r} (this code writes 1)")
-    for key in ("format", "store_url", "job"):
+        out.append(
+            f"export_version {old.get('export_version')!r} (this code writes {EXPORT_VERSION})"
+        )
+    for key in ("format", "store_url", "store_id", "job", "hidden_dtype", "last_slot"):
         if old.get(key) != new[key]:
             out.append(f"{key} {old.get(key)!r} there, {new[key]!r} here")
     old_m, new_m = old.get("manifest") or {}, new["manifest"]
@@ -496,10 +621,11 @@ def _layout(fmt: str, m: Manifest) -> dict[str, str]:
         return {
             "files": f"rows_{{g}}-{{g+{SPECFORGE_GROUP}}}/data_{{index}}.ckpt",
             "index": "the store's global sample index",
-            "keys": "input_ids int64 [T], loss_mask int64 [T], hidden_state [1,T,H], "
-            "aux_hidden_state [1,T,num_aux*H]",
+            "keys": "input_ids int64 [T], loss_mask int64 [T], hidden_state bf16 [1,T,H] "
+            "(post-norm), aux_hidden_state bf16 [1,T,3*H]",
         }
-    keys = "hidden_states [T,num_aux+1,H] (aux layers, then final), token_ids int64 [T]"
+    keys = "hidden_states [T,num_aux+1,H] (aux layers, then the final state of last_slot), "
+    keys += "token_ids int64 [T]"
     if m.dtype == FP8_DTYPE:
         keys += ", hidden_states_scales float32 [T,num_aux+1,1] (hidden_states float8_e4m3fn)"
     return {
@@ -507,18 +633,19 @@ def _layout(fmt: str, m: Manifest) -> dict[str, str]:
         "index": "the store's global sample index = the row of the dataset in this directory",
         "keys": keys,
         "dataset": "datasets.load_from_disk(DIR): input_ids, loss_mask, seq_len per planned sample",
+        "token_freq": f"{TOKEN_FREQ}: {{token id: count}} over loss-masked tokens of every row",
     }
 
 
 @functools.lru_cache(maxsize=4)
-def _cached_ids(path: str, mtime_ns: int, fmt: str) -> dict[int, str]:
+def _cached_ids(path: str, mtime_ns: int, fmt: str) -> tuple[dict[int, str], str | None]:
     doc = json.loads(Path(path).read_text())
     if doc.get("format") != fmt:
         raise ExportError(f"{path}: a {doc.get('format')!r} export, not {fmt!r}")
-    return {int(i): str(sid) for i, sid in doc["exported"]}
+    return {int(i): str(sid) for i, sid in doc["exported"]}, doc.get("last_slot")
 
 
-def _exported_ids(path: Path, fmt: str) -> dict[int, str]:
+def _exported_ids(path: Path, fmt: str) -> tuple[dict[int, str], str | None]:
     return _cached_ids(str(path), path.stat().st_mtime_ns, fmt)
 
 

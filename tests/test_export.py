@@ -1,35 +1,49 @@
 """The SpecForge and speculators exporters over a store written by the real shard writer: every
 committed, written sample comes back bit for bit in the trainers' own layouts (keys, shapes,
-dtypes, file names by global index), nothing else is exported, an interrupted export resumes
-without redoing whole files, and another store's directory is refused."""
+dtypes, file names by global index; SpecForge's float32 -> bf16 cast rounds to nearest even),
+nothing else is exported, an interrupted export resumes without redoing whole files, another
+store's directory (or the same URL's, created again) is refused, and so is what a trainer cannot
+train on (SpecForge with other than 3 aux layers, speculators without the pre-norm state). The
+trainers' own loaders run on exports in tests/test_trainers.py."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
+import shutil
 from pathlib import Path
 
+import ml_dtypes
 import numpy as np
 import pytest
 import torch
 from safetensors import safe_open
 from safetensors.torch import load_file
 
+from actors.shard_writer import ShardWriter
 from store.export import (
     ExportConflict,
     ExportError,
     _exclusive,
-    export,
     main,
     read_exported,
     sample_path,
 )
+from store.export import export as export_as_asked
+from store.format import create_store
 from store.reader import HiddenStatesDataset, HiddenStatesIterable
 from tests.test_reader import assert_sample_exact, partly_written_store
-from tests.test_store import NUM_AUX, H, new_store, plan
+from tests.test_store import NUM_AUX, H, manifest, new_store, plan, sample_bits
 
 FORMATS = ["specforge", "speculators"]
 PLANNED = len(plan()[0])
+
+
+def export(url: str, out: Path, fmt: str, **kw) -> dict:
+    """An export of these layout tests' stores, which hold no pre-norm state (speculators'
+    refusal of such a store has its own test)."""
+    return export_as_asked(url, out, fmt, allow_post_norm=fmt == "speculators", **kw)
 
 
 class Crash(Exception):
@@ -41,13 +55,28 @@ def bits(t: torch.Tensor) -> np.ndarray:
     return t.view(torch.int16).numpy() if t.dtype == torch.bfloat16 else t.numpy()
 
 
-def assert_same(got: dict, want: dict) -> None:
+def as_exported(fmt: str | None, t: torch.Tensor) -> torch.Tensor:
+    """What the export holds of a reader tensor: SpecForge's is bf16, by an independent
+    round-to-nearest-even cast (ml_dtypes) of a float32 store."""
+    if fmt != "specforge" or t.dtype == torch.bfloat16:
+        return t
+    return torch.from_numpy(t.numpy().astype(ml_dtypes.bfloat16).view(np.int16)).view(
+        torch.bfloat16
+    )
+
+
+def assert_same(got: dict, want: dict, fmt: str | None = None) -> None:
+    """Every hidden state `got` holds (a reader's sample, or an export's: the aux state and
+    one final state, under the reader's name for it) as `want` has it, as `fmt` exports it."""
     assert got["sample_id"] == want["sample_id"]
     for key in ("input_ids", "loss_mask"):
         assert got[key].dtype == torch.int64 and torch.equal(got[key], want[key]), key
-    for key in ("aux_hidden_states", "final_hidden_states"):
-        assert got[key].dtype == want[key].dtype and got[key].shape == want[key].shape, key
-        np.testing.assert_array_equal(bits(got[key]), bits(want[key]), err_msg=key)
+    hidden = [k for k in got if k.endswith("hidden_states")]
+    assert "aux_hidden_states" in hidden and len(hidden) >= 2, hidden
+    for key in hidden:
+        expected = as_exported(fmt, want[key])
+        assert got[key].dtype == expected.dtype and got[key].shape == expected.shape, key
+        np.testing.assert_array_equal(bits(got[key]), bits(expected), err_msg=key)
 
 
 def exported_files(out: Path, fmt: str) -> list[Path]:
@@ -79,12 +108,14 @@ def test_every_visible_sample_round_trips_bit_for_bit_and_nothing_else_is_export
     doc = json.loads((out / "export.json").read_text())
     names = plan()[0]
     assert doc["exported"] == [[i, names[i]] for i in visible] and doc["format"] == fmt
-    assert doc["manifest"]["layer_ids"] == [2, 4, 5] and doc["final_states"] == ["post_norm"]
+    assert doc["manifest"]["layer_ids"] == [2, 4, 5] and doc["final_states"][0] == "post_norm"
+    assert doc["hidden_dtype"] == ("bfloat16" if fmt == "specforge" else dtype)
     ds = HiddenStatesDataset(url)
     for k, i in enumerate(visible):
         want = ds[k]
-        assert_same(read_exported(out, fmt, i), want)
-        assert_sample_exact(read_exported(out, fmt, i), i, dtype)
+        assert_same(read_exported(out, fmt, i), want, fmt)
+        if fmt == "speculators" or dtype == "bfloat16":
+            assert_sample_exact({**want, **read_exported(out, fmt, i)}, i, dtype)
     with pytest.raises(KeyError):
         read_exported(out, fmt, 9)
 
@@ -156,6 +187,13 @@ def test_speculators_files_and_dataset_are_what_its_arrow_dataset_reads(
             bits(loaded["hidden_states"][:, -1]), bits(want["final_hidden_states"])
         )
         assert torch.equal(rows[i]["loss_mask"], want["loss_mask"])
+    # token_freq.pt: speculators' {token id: count} over the loss-masked tokens of every row.
+    freq = torch.load(out / "token_freq.pt", weights_only=True)
+    want_freq: dict[int, int] = {}
+    for row_ids, row_mask in zip(ids, masks, strict=True):
+        for token in row_ids[row_mask.astype(bool)].tolist():
+            want_freq[token] = want_freq.get(token, 0) + 1
+    assert freq == want_freq and all(type(k) is int and type(v) is int for k, v in freq.items())
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
@@ -204,7 +242,7 @@ def test_an_interrupted_export_resumes_without_redoing_whole_files(
             assert p.stat().st_mtime_ns == mtime, p
     ds = HiddenStatesDataset(url)
     for k, i in enumerate(visible):
-        assert_same(read_exported(out, fmt, i), ds[k])
+        assert_same(read_exported(out, fmt, i), ds[k], fmt)
 
     # A finished export re-run writes nothing, and does not even read the hidden states.
     def no_reading(self):
@@ -252,7 +290,10 @@ def test_cli_exits_0_on_success_1_on_errors_2_without_a_store(
     assert main(["--store", url, "--format", "specforge", "--out", str(out)]) == 0
     assert len(exported_files(out, "specforge")) == len(visible)
     assert "samples written" in capsys.readouterr().out
-    assert main(["--store", url, "--format", "speculators", "--out", str(out)]) == 1
+    speculators = ["--store", url, "--format", "speculators", "--out", str(out)]
+    assert main(speculators) == 1
+    assert "--allow-post-norm" in capsys.readouterr().err  # this store has no pre-norm state
+    assert main([*speculators, "--allow-post-norm"]) == 1
     assert "another store or format" in capsys.readouterr().err
     missing = str(tmp_path / "missing.zarr")
     assert main(["--store", missing, "--format", "specforge", "--out", str(out)]) == 2
@@ -270,3 +311,65 @@ def test_specforge_layer_ids_follow_the_model_family(deepseek_path: Path, llama_
         manifest = make_manifest(str(path), path, capture, max_length=64, samples_per_shard=2)
         assert _specforge_layers(manifest) == requested
     assert capture["layer_ids"] == [1, 4, 7]  # Llama: HF indices one above the requested ids
+
+
+def test_specforge_casts_float32_to_bf16_rounding_to_nearest_even(tmp_path: Path) -> None:
+    """Ties go to the even bf16 neighbour; truncation or rounding half up would differ."""
+    store = new_store(tmp_path / "s.zarr", "float32", {"name": "none"})
+    writer = ShardWriter(store, store.shards[0])
+    one_and = [1 + 2**-8, 1 + 3 * 2**-8, -(1 + 2**-8), 1 + 2**-8 + 2**-20, 1.0]
+    want = [1.0, 1 + 2**-6, -1.0, 1 + 2**-7, 1.0]  # bf16 keeps 7 fraction bits
+    for i in range(store.shards[0].sample_begin, store.shards[0].sample_end):
+        aux, final = sample_bits(i, "float32")
+        final.reshape(-1)[: len(one_and)] = one_and
+        writer.write_sample(i, aux, final)
+    writer.commit({"worker": "w0"})
+    export(str(tmp_path / "s.zarr"), tmp_path / "out", "specforge", say=lambda _: None)
+    got = read_exported(tmp_path / "out", "specforge", 0)["final_hidden_states"]
+    assert got.dtype == torch.bfloat16 and got.reshape(-1)[:5].tolist() == want
+
+
+def test_what_a_trainer_cannot_train_on_is_refused_before_anything_is_written(
+    tmp_path: Path, store_url: tuple[str, list[int]]
+) -> None:
+    url, _ = store_url
+    out = tmp_path / "out"
+    with pytest.raises(ExportError, match=r"no pre-norm final state.*--allow-post-norm"):
+        export_as_asked(url, out, "speculators", say=lambda _: None)
+    assert not out.exists()
+    # Five aux layers: speculators takes any number, SpecForge exactly three.
+    five = dataclasses.replace(manifest(), num_aux=5, layer_ids=[1, 2, 3, 5, 6])
+    store = create_store(tmp_path / "five.zarr", five, *plan())
+    writer = ShardWriter(store, store.shards[0])
+    rng = np.random.default_rng(5)
+    rows = {}
+    for i in range(store.shards[0].sample_begin, store.shards[0].sample_end):
+        n = len(plan()[1][i])
+        rows[i] = rng.integers(0, 1 << 15, (n, 6, H), dtype=np.uint16)  # finite bf16 bits
+        writer.write_sample(
+            i, rows[i][:, :5].view(ml_dtypes.bfloat16), rows[i][:, 5].view(ml_dtypes.bfloat16)
+        )
+    writer.commit({"worker": "w0"})
+    with pytest.raises(ExportError, match=r"5 aux layers .* exactly 3"):
+        export(str(tmp_path / "five.zarr"), out, "specforge", say=lambda _: None)
+    assert not out.exists()
+    export(str(tmp_path / "five.zarr"), out, "speculators", say=lambda _: None)
+    doc = json.loads((out / "export.json").read_text())
+    assert doc["speculators_command"].endswith("--target-layer-ids 1 2 3 5 6")
+    for i, want in rows.items():
+        hidden = load_file(sample_path(out, "speculators", i))["hidden_states"]
+        assert hidden.shape == (len(want), 6, H)
+        np.testing.assert_array_equal(bits(hidden).view(np.uint16), want)
+
+
+def test_an_export_of_a_store_since_created_again_at_the_same_url_is_refused(
+    tmp_path: Path,
+) -> None:
+    url, out = str(tmp_path / "s.zarr"), tmp_path / "out"
+    partly_written_store(url)
+    export(url, out, "specforge", say=lambda _: None)
+    shutil.rmtree(url)
+    partly_written_store(url)  # the same URL, manifest, job and samples: another store
+    with pytest.raises(ExportConflict, match=r"store_id '[0-9a-f]{32}' there, '[0-9a-f]{32}' here"):
+        export(url, out, "specforge", say=lambda _: None)
+    assert export(url, tmp_path / "fresh", "specforge", say=lambda _: None)["files"] == 6

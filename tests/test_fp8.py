@@ -109,7 +109,8 @@ def test_an_fp8_store_reads_back_dequantized_and_raw_verifies_and_exports(
 
     # speculators: the stored bits and scales; read as its FP8 reader does, the reader's rows.
     out = tmp_path / "spec"
-    export(str(tmp_path / "s.zarr"), out, "speculators", say=lambda _: None)
+    # A post-norm-only store (new_store's): the FP8 format is what this checks.
+    export(str(tmp_path / "s.zarr"), out, "speculators", allow_post_norm=True, say=lambda _: None)
     data = load_file(sample_path(out, "speculators", 2))
     assert data["hidden_states"].dtype == torch.float8_e4m3fn
     assert data["hidden_states_scales"].shape == (LENGTHS[2], NUM_AUX + 1, 1)

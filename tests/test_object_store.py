@@ -22,14 +22,14 @@ from torch.utils.data import DataLoader
 from actors.lease_keeper import LeaseLost
 from actors.shard_writer import ShardWriter
 from cluster.shard_queue import ShardQueue
-from store.export import FORMATS, export
+from store.export import FORMATS
 from store.format import Store
 from store.location import SinglePutObjectStore, StoreAccessError, open_location
 from store.object_rows import _ChunkSource
 from store.reader import HiddenStatesDataset, HiddenStatesIterable, token_arrays
 from store.verify import verify_store
 from tests.test_cluster_job import job_config, write_prompts
-from tests.test_export import assert_same, exported_files
+from tests.test_export import assert_same, export, exported_files
 from tests.test_reader import partly_written_store
 from tests.test_store import as_input, keeper, new_store, other_bits, plan, sample_bits
 from tests.test_verify import build_store, errors
