@@ -188,11 +188,13 @@ def describe_recompute(result: dict[str, Any]) -> str:
 
 
 def describe_logprobs(result: dict[str, Any]) -> str:
-    """One sample of the logprob check: top-1 agreement, mean and max absolute error (nats)."""
+    """One sample of the logprob check: top-1 agreement (exact, and near-ties counted as
+    agreeing), mean and max absolute error (nats)."""
     verdict = "ok" if result["ok"] else "FAIL"
     return (
         f"sample {result['sample']} ({result['sample_id']}): {result['tokens']} tokens, top-1 "
-        f"{result['top1_agreement']:.1%}, mean |error| {result['mean_error']:.2e}, max "
+        f"{result['top1_agreement']:.1%} ({result['top1_agreement_ties']:.1%} with near-ties), "
+        f"mean |error| {result['mean_error']:.2e}, max "
         f"{result['max_error']:.2e} at token {result['worst_token']}: {verdict}"
     )
 
