@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import uuid
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, NamedTuple
 
@@ -242,7 +242,7 @@ class _LogprobCheck:
                 f"{b.min_top1:.0%}), mean |error| {r.mean_error:.4g} (needs <= {b.max_mean:g}), "
                 f"max {r.max_error:.4g} at token {r.worst_token} (needs <= {b.max_error:g})",
             )
-        r = LogprobResult(**{**asdict(r), "ok": ok})
+        r = replace(r, ok=ok)
         self.say(f"logprobs {describe_logprobs(asdict(r))}")
         return r
 
@@ -282,11 +282,14 @@ def check_logprobs(
     if not samples:
         return "no written sample to check"
     model_path = server.model_path
-    problems = model_mismatches(model_path, store.manifest)
+    problems = [
+        f"{p}: not the model that made the store"
+        for p in model_mismatches(model_path, store.manifest)
+    ]
     if unsupported := unsupported_head(model_path):
-        problems.append(f"{model_path}: {unsupported}")
+        problems.append(f"{model_path}: {unsupported}, the check computes plain ones")
     for problem in problems:
-        report.error("logprobs", f"{problem}: not the model that made the store")
+        report.error("logprobs", problem)
     if problems:
         return None
     say(f"logprobs: samples {samples} (seed {seed})")
