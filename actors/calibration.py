@@ -21,7 +21,7 @@ from store.format import Manifest
 
 PROBE_TEXT = "Calibration probe: the capital city of France is Paris, and 2 + 2 = 4."
 # Dump meta fields that must equal the manifest's fields of the same name.
-CAPTURE_FIELDS = ("layer_ids", "layer_convention", "final_state", "hidden_size", "num_aux", "dtype")
+CAPTURE_FIELDS = ("layer_ids", "layer_convention", "hidden_size", "num_aux", "dtype")
 
 
 class CalibrationError(RuntimeError):
@@ -64,6 +64,12 @@ def calibrate(
             for key in CAPTURE_FIELDS
             if meta.get(key) != getattr(manifest, key)
         ]
+        missing = [s for s in manifest.final_states if s not in (meta.get("final_states") or [])]
+        if missing:
+            problems.append(
+                f"final_states: the store keeps {manifest.final_states}, the server captures "
+                f"{meta.get('final_states')!r} (no {', '.join(missing)})"
+            )
         if meta.get("rid") != rid:
             problems.append(f"rid: the dump is {meta.get('rid')!r}'s, not the probe's {rid!r}")
         server_ids = tensors["input_ids"].tolist()
@@ -72,8 +78,8 @@ def calibrate(
                 f"token ids: the server tokenized the probe as {server_ids[:16]}..., the plan's "
                 f"tokenizer as {expected_ids[:16]}... (different tokenizer?)"
             )
-        for name in ("aux_hidden_states", "final_hidden_states"):
-            if not bool(torch.isfinite(tensors[name]).all()):
+        for name in manifest.hidden_arrays:
+            if name in tensors and not bool(torch.isfinite(tensors[name]).all()):
                 problems.append(f"{name}: non-finite values in the probe's capture")
         if problems:
             raise CalibrationError(

@@ -42,9 +42,11 @@ def verify_dump(
     shapes = {
         "input_ids": (p,),
         "aux_hidden_states": (p, manifest.num_aux, manifest.hidden_size),
-        "final_hidden_states": (p, manifest.hidden_size),
+        **{name: (p, manifest.hidden_size) for name in manifest.hidden_arrays[1:]},
     }
     for name, shape in shapes.items():
+        if name not in tensors:
+            raise DumpMismatch(f"the dump has no {name} (the store keeps it)")
         if tuple(tensors[name].shape) != shape:
             raise DumpMismatch(f"{name} has shape {tuple(tensors[name].shape)}, expected {shape}")
     if not np.array_equal(tensors["input_ids"].numpy(), input_ids):
@@ -52,7 +54,7 @@ def verify_dump(
         raise DumpMismatch(f"token ids differ from the plan from position {first}")
     if meta.get("layer_ids") != manifest.layer_ids:
         raise DumpMismatch(f"layers {meta.get('layer_ids')} != manifest {manifest.layer_ids}")
-    for name in ("aux_hidden_states", "final_hidden_states"):
+    for name in manifest.hidden_arrays:
         if str(tensors[name].dtype).removeprefix("torch.") != manifest.dtype:
             raise DumpMismatch(f"{name} is {tensors[name].dtype}, the store holds {manifest.dtype}")
         row = _first_non_finite_row(tensors[name])

@@ -88,8 +88,7 @@ class ModelMismatch(RuntimeError):
 
 @dataclass(frozen=True)
 class Captured:
-    aux: torch.Tensor
-    final: torch.Tensor
+    states: tuple[torch.Tensor, ...]  # the dump's rows of each hidden array the store keeps
     dump_path: Path
 
 
@@ -422,9 +421,8 @@ class NodeWorker:
             release_dump(response.dump_path)
             raise
         self.metrics.record_verify(time.perf_counter() - t0)
-        return Captured(
-            tensors["aux_hidden_states"], tensors["final_hidden_states"], response.dump_path
-        )
+        states = tuple(tensors[name] for name in self.store.manifest.hidden_arrays)
+        return Captured(states, response.dump_path)
 
     def _write(self, i: int, captured: Captured, writer: ShardWriter) -> None:
         t0 = time.perf_counter()
@@ -432,13 +430,11 @@ class NodeWorker:
         try:
             # The rows may still be read after this returns: the writer gives the dump back
             # (to the server's pinned ring) once it is done with them.
-            writer.write_sample(i, captured.aux, captured.final, on_release=release)
+            writer.write_sample(i, *captured.states, on_release=release)
         except BaseException:
             release()
             raise
-        self.metrics.record_write(
-            time.perf_counter() - t0, captured.aux.nbytes + captured.final.nbytes
-        )
+        self.metrics.record_write(time.perf_counter() - t0, sum(x.nbytes for x in captured.states))
         self.progress["written"] += 1
 
     def _summary(self, lease: Lease, started: float, writer: ShardWriter | None) -> dict[str, Any]:

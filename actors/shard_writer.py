@@ -56,22 +56,19 @@ class _BufferPool:
     pages costs a page fault per 4 KiB, measured here to slow the row copy ~5x."""
 
     def __init__(self, max_bytes: int = 1 << 29) -> None:
-        self._free: list[tuple[np.ndarray, np.ndarray]] = []
+        self._free: list[tuple[np.ndarray, ...]] = []
         self._lock, self._max_bytes = threading.Lock(), max_bytes
 
-    def get(
-        self, shapes: tuple[tuple[int, ...], ...], dtype: type
-    ) -> tuple[np.ndarray, np.ndarray]:
+    def get(self, shapes: tuple[tuple[int, ...], ...], dtype: type) -> tuple[np.ndarray, ...]:
         with self._lock:
             for j, bufs in enumerate(self._free):
                 if tuple(b.shape for b in bufs) == shapes and bufs[0].dtype == dtype:
                     return self._free.pop(j)
-        aux, final = (np.empty(shape, dtype) for shape in shapes)
-        return aux, final
+        return tuple(np.empty(shape, dtype) for shape in shapes)
 
-    def put(self, bufs: tuple[np.ndarray, np.ndarray]) -> None:
+    def put(self, bufs: tuple[np.ndarray, ...]) -> None:
         with self._lock:
-            if sum(b.nbytes for pair in self._free for b in pair) < self._max_bytes:
+            if sum(b.nbytes for group in self._free for b in group) < self._max_bytes:
                 self._free.append(bufs)
 
 
@@ -103,21 +100,25 @@ class _Loan:
 
 @dataclass
 class _Piece:
-    """Rows [lo, lo + len) of a chunk: a view of a sample's memory (lent) or of a buffer."""
+    """Rows [lo, lo + len) of a chunk, one array per hidden array of the store (in the
+    manifest's `hidden_arrays` order): views of a sample's memory (lent) or of a buffer."""
 
     lo: int
-    aux: np.ndarray
-    final: np.ndarray
+    rows: tuple[np.ndarray, ...]
     loan: _Loan | None
 
+    def __len__(self) -> int:
+        return len(self.rows[0])
 
-def _gather(pieces: list[_Piece], which: str, rows: int, row_bytes: int) -> list[memoryview]:
-    """A chunk's bytes in order, as views: its pieces, zeros where no row was written."""
+
+def _gather(pieces: list[_Piece], which: int, rows: int, row_bytes: int) -> list[memoryview]:
+    """Hidden array `which`'s chunk bytes in order, as views: its pieces, zeros where no row
+    was written."""
     out, at = [], 0
     for p in sorted(pieces, key=lambda p: p.lo):
         if p.lo > at:
             out.append(_zeros((p.lo - at) * row_bytes))
-        rows_of = getattr(p, which)
+        rows_of = p.rows[which]
         out.append(memoryview(rows_of.reshape(-1).view(np.uint8)))
         at = p.lo + len(rows_of)
     if at < rows:
@@ -216,20 +217,17 @@ class ShardWriter:
         # write_empty_chunks: skip zarr's all-zero scan of every chunk (it runs on zarr's one
         # event-loop thread, ~0.7 GB/s here, and serialised all writes); a rewrite then also
         # replaces every chunk of the range, all-zero ones included.
-        self._aux, self._final = (
-            store.array(name).with_config({"write_empty_chunks": True})
-            for name in ("aux_hidden_states", "final_hidden_states")
-        )
+        self._names = m.hidden_arrays  # aux, then each final state: a sample's rows, in order
+        self._arrays = [
+            store.array(name).with_config({"write_empty_chunks": True}) for name in self._names
+        ]
         self._c = m.chunk_tokens
-        self._aux_shape, self._final_shape = (m.num_aux, m.hidden_size), (m.hidden_size,)
-        self._shapes = ((self._c, *self._aux_shape), (self._c, *self._final_shape))
+        self._row_shapes = tuple(a.shape[1:] for a in self._arrays)
+        self._shapes = tuple((self._c, *shape) for shape in self._row_shapes)
         self._np_dtype = np.uint16 if m.dtype == "bfloat16" else np.float32
         itemsize = np.dtype(self._np_dtype).itemsize
-        self._aux_row, self._final_row = (
-            m.num_aux * m.hidden_size * itemsize,
-            m.hidden_size * itemsize,
-        )
-        self._row_bytes = self._aux_row + self._final_row
+        self._rows_bytes = tuple(int(np.prod(shape)) * itemsize for shape in self._row_shapes)
+        self._row_bytes = sum(self._rows_bytes)
         first = shard.token_begin // self._c
         # Rows each chunk still waits for (sample rows only: padding is never waited on) and
         # payload rows it holds (failed samples' rows excluded).
@@ -239,7 +237,7 @@ class ShardWriter:
         }
         self._payload = dict.fromkeys(self._waiting, 0)
         self._pieces: dict[int, list[_Piece]] = {}
-        self._buffers: dict[int, tuple[np.ndarray, np.ndarray]] = {}
+        self._buffers: dict[int, tuple[np.ndarray, ...]] = {}
         self._lent: list[tuple[_Loan, list[int]]] = []  # oldest first: loans on unsent chunks
         self._max_lent = max_lent_bytes
         self._status = np.full(shard.sample_end - shard.sample_begin, STATUS_PLANNED, np.uint8)
@@ -257,33 +255,43 @@ class ShardWriter:
     def write_sample(
         self,
         sample_index: int,
-        aux: np.ndarray | torch.Tensor,
-        final: np.ndarray | torch.Tensor,
+        *states: np.ndarray | torch.Tensor,
         on_release: Callable[[], None] | None = None,
     ) -> None:
-        """One sample's rows: aux [P, num_aux, H], final [P, H], P its planned length. The rows
-        are written from this memory, so the arrays must stay untouched until `on_release` is
-        called: once every chunk holding its rows is written (or its rows were copied out)."""
+        """One sample's rows, one array per hidden array of the store in the manifest's
+        `hidden_arrays` order: aux [P, num_aux, H], final (post-norm) [P, H] and, if the store
+        keeps it, pre-norm [P, H]; P is its planned length. The rows are written from this
+        memory, so the arrays must stay untouched until `on_release` is called: once every
+        chunk holding its rows is written (or its rows were copied out)."""
         t0 = time.perf_counter()
         rows = self._claim(sample_index)
         p, name = rows.stop - rows.start, self._name(sample_index)
-        aux = _as_stored(aux, self.store.manifest.dtype, f"sample {name} aux")
-        final = _as_stored(final, self.store.manifest.dtype, f"sample {name} final")
-        if aux.shape != (p, *self._aux_shape) or final.shape != (p, *self._final_shape):
+        if len(states) != len(self._names):
             raise ValueError(
-                f"sample {name}: got aux {tuple(aux.shape)} final {tuple(final.shape)}, "
-                f"expected {p} rows: aux {(p, *self._aux_shape)} final {(p, *self._final_shape)}"
+                f"sample {name}: got {len(states)} hidden arrays, the store holds "
+                f"{len(self._names)} ({', '.join(self._names)})"
             )
+        dtype = self.store.manifest.dtype
         # Contiguous rows: each chunk's piece of them is one range of bytes to write.
-        aux, final = np.ascontiguousarray(aux), np.ascontiguousarray(final)
-        loan = _Loan(aux.nbytes + final.nbytes, on_release)
+        stored = tuple(
+            np.ascontiguousarray(_as_stored(x, dtype, f"sample {name} {array}"))
+            for x, array in zip(states, self._names, strict=True)
+        )
+        got = [tuple(x.shape) for x in stored]
+        want = [(p, *shape) for shape in self._row_shapes]
+        if got != want:
+            raise ValueError(
+                f"sample {name}: got {', '.join(map(str, got))} for {', '.join(self._names)}, "
+                f"expected {p} rows: {', '.join(map(str, want))}"
+            )
+        loan = _Loan(sum(x.nbytes for x in stored), on_release)
         chunks = self._chunk_parts(rows)
         loan.refs += len(chunks)
         loan.unsent = len(chunks)
         for k, lo, hi in chunks:
             src = slice(lo - rows.start, hi - rows.start)
             self._payload[k] += hi - lo
-            piece = _Piece(lo - k * self._c, aux[src], final[src], loan)
+            piece = _Piece(lo - k * self._c, tuple(x[src] for x in stored), loan)
             self._pieces.setdefault(k, []).append(piece)
             self._arrived(k, hi - lo)
         self._status[sample_index - self.shard.sample_begin] = STATUS_WRITTEN
@@ -376,20 +384,20 @@ class ShardWriter:
             with self.fence.writing():
                 self.store.array("shard_committed")[self.shard.index] = 0
 
-    def _spill_path(self, k: int, which: str) -> Path:
+    def _spill_path(self, k: int, which: int) -> Path:
         assert self._spill is not None
-        return self._spill / f"{k}.{which}.bin"
+        return self._spill / f"{k}.{self._names[which]}.bin"
 
     def _flush_spill(self) -> None:
         """A deferred lease, its claim won: the spilled chunks go to the store now."""
         self._uncommit()
         for k in sorted(self._spilled):
-            aux, final = (
+            rows = tuple(
                 np.memmap(self._spill_path(k, w), self._np_dtype, "r", shape=shape)
-                for w, shape in zip(("aux", "final"), self._shapes, strict=True)
+                for w, shape in enumerate(self._shapes)
             )
             with self.fence.writing():
-                self._store_chunk(k, [_Piece(0, aux, final, None)])
+                self._store_chunk(k, [_Piece(0, rows, None)])
 
     def _drop_spill(self) -> None:
         if self._spill is not None:
@@ -437,10 +445,11 @@ class ShardWriter:
     def _copy_out(self, k: int, piece: _Piece) -> None:
         if k not in self._buffers:
             self._buffers[k] = _BUFFERS.get(self._shapes, self._np_dtype)
-        buf_aux, buf_final = self._buffers[k]
-        dst = slice(piece.lo, piece.lo + len(piece.aux))
-        buf_aux[dst], buf_final[dst] = piece.aux, piece.final
-        loan, piece.aux, piece.final, piece.loan = piece.loan, buf_aux[dst], buf_final[dst], None
+        bufs = self._buffers[k]
+        dst = slice(piece.lo, piece.lo + len(piece))
+        for buf, rows_of in zip(bufs, piece.rows, strict=True):
+            buf[dst] = rows_of
+        loan, piece.rows, piece.loan = piece.loan, tuple(buf[dst] for buf in bufs), None
         loan.unsent -= 1
         loan.drop()
 
@@ -454,7 +463,7 @@ class ShardWriter:
         self,
         k: int,
         pieces: list[_Piece],
-        buffers: tuple[np.ndarray, np.ndarray] | None,
+        buffers: tuple[np.ndarray, ...] | None,
     ) -> None:
         self._slots.acquire()  # back-pressure: bounded chunks in flight
         future = self._pool.submit(self._write_chunk, k, pieces, buffers)
@@ -463,7 +472,7 @@ class ShardWriter:
         self._futures.append(future)
 
     def _write_chunk(
-        self, k: int, pieces: list[_Piece], buffers: tuple[np.ndarray, np.ndarray] | None
+        self, k: int, pieces: list[_Piece], buffers: tuple[np.ndarray, ...] | None
     ) -> None:
         try:
             if not self.fence.current():
@@ -471,7 +480,7 @@ class ShardWriter:
             if self._stopped or self._lost:
                 return
             if self._spill is not None:
-                for which, row in (("aux", self._aux_row), ("final", self._final_row)):
+                for which, row in enumerate(self._rows_bytes):
                     parts = _gather(pieces, which, self._c, row)
                     _write_file(self._spill_path(k, which), parts, mode=0o600)
                 self._spilled.add(k)
@@ -487,35 +496,32 @@ class ShardWriter:
 
     def _store_chunk(self, k: int, pieces: list[_Piece]) -> None:
         t0 = time.perf_counter()
-        puts = [_raw_chunk_put(a, k) for a in (self._aux, self._final)]
+        puts = [_raw_chunk_put(a, k) for a in self._arrays]
         if None in puts:  # zarr encodes: hand it the chunk assembled in a reused buffer
             bufs = _BUFFERS.get(self._shapes, self._np_dtype)
             rows = slice(k * self._c, (k + 1) * self._c)
-            self._aux[rows], self._final[rows] = self._assembled(pieces, bufs)
+            for array, chunk in zip(self._arrays, self._assembled(pieces, bufs), strict=True):
+                array[rows] = chunk
             _BUFFERS.put(bufs)
         else:
-            for put, which, row in zip(
-                puts, ("aux", "final"), (self._aux_row, self._final_row), strict=True
-            ):
+            for which, (put, row) in enumerate(zip(puts, self._rows_bytes, strict=True)):
                 put(_gather(pieces, which, self._c, row))
         with self._lock:
             self.bytes_written += self._payload[k] * self._row_bytes
             self.chunk_seconds += time.perf_counter() - t0
 
     @staticmethod
-    def _assembled(
-        pieces: list[_Piece], bufs: tuple[np.ndarray, np.ndarray]
-    ) -> tuple[np.ndarray, np.ndarray]:
+    def _assembled(pieces: list[_Piece], bufs: tuple[np.ndarray, ...]) -> tuple[np.ndarray, ...]:
         """The chunk's rows in `bufs`, zero where none was written; a piece that is the whole
         chunk is used as it is."""
-        if len(pieces) == 1 and len(pieces[0].aux) == len(bufs[0]):
-            return pieces[0].aux, pieces[0].final
+        if len(pieces) == 1 and len(pieces[0]) == len(bufs[0]):
+            return pieces[0].rows
         at = 0
         for piece in sorted(pieces, key=lambda p: p.lo):
-            for buf, rows_of in zip(bufs, (piece.aux, piece.final), strict=True):
+            for buf, rows_of in zip(bufs, piece.rows, strict=True):
                 buf[at : piece.lo] = 0
                 buf[piece.lo : piece.lo + len(rows_of)] = rows_of
-            at = piece.lo + len(piece.aux)
+            at = piece.lo + len(piece)
         for buf in bufs:
             buf[at:] = 0
         return bufs

@@ -55,7 +55,6 @@ def stand_in_manifest(
     capture = {
         "layer_ids": list(range(num_aux)),
         "layer_convention": "bench",
-        "final_state": "post_norm",
         "hidden_size": hidden,
         "num_aux": num_aux,
         "dtype": "bfloat16",
@@ -67,6 +66,7 @@ def stand_in_manifest(
         max_length=max_length,
         samples_per_shard=samples_per_shard,
         codec=DEFAULT_CODEC,
+        prenorm=False,  # the rows SpecForge's format holds: aux + the post-norm state
     )
 
 

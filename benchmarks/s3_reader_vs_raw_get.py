@@ -34,9 +34,10 @@ from zarr.core.sync import sync
 
 from benchmarks.reader_vs_raw_read import build_store
 from benchmarks.rounds import alternate
+from store.format import HIDDEN_ARRAYS
 from store.location import open_location
 from store.object_rows import CONCURRENCY
-from store.reader import TOKEN_ARRAYS, HiddenStatesIterable
+from store.reader import PLAN_ARRAYS, HiddenStatesIterable
 from tools.s3_server import s3_server
 
 TARGET = 0.8
@@ -46,7 +47,7 @@ def chunk_keys(backend: Any) -> list[tuple[str, int]]:
     """(key, size) of every chunk object of the token-major arrays, in key order."""
     found = [
         (meta["path"], meta["size"])
-        for name in TOKEN_ARRAYS
+        for name in (*PLAN_ARRAYS, *HIDDEN_ARRAYS)  # absent arrays list nothing
         for batch in obstore.list(backend, prefix=f"{name}/c/")
         for meta in batch
     ]

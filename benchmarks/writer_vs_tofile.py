@@ -142,7 +142,7 @@ def bench_manifest(samples: Samples, codec: dict[str, Any], chunk: int, per_shar
         chat_template_hash=None,
         layer_ids=list(range(aux0.shape[1])),
         layer_convention="bench",
-        final_state="post_norm",
+        final_states=["post_norm"],
         hidden_size=aux0.shape[2],
         num_aux=aux0.shape[1],
         dtype="bfloat16",

@@ -27,6 +27,11 @@ from pydantic import (
 
 from store.location import DEFAULT_CLIENT_OPTIONS, DEFAULT_RETRY, is_remote
 
+# Aux layers one capture may hold: EAGLE-3 uses 3, DFlash-style drafters 5 or more (SGLang
+# 0.5.23 has set_dflash_layers_to_capture); capture, store, readers and exports are tested
+# with 1, 3, 5 and 8 (tests/test_aux_layers.py).
+MAX_AUX_LAYERS = 8
+
 
 class _Section(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
@@ -36,7 +41,10 @@ class ModelConfig(_Section):
     path: str  # a local HF model directory, present on every GPU node at the same path
     # Served dtype; the store keeps hidden states in it (bfloat16 bit-exact as uint16 bits).
     dtype: Literal["bfloat16", "float32"] = "bfloat16"
-    # --return-aux-hidden-state-layer-ids as SGLang takes them; null: SGLang's EAGLE-3 default.
+    # --return-aux-hidden-state-layer-ids as SGLang takes them, 1 to MAX_AUX_LAYERS distinct
+    # ids (EAGLE-3: 3; DFlash-style drafters: 5 or more); null: SGLang's EAGLE-3 default
+    # [2, L//2, L-3]. Whether the model has those layers is checked when it is read
+    # (cluster.job_store.manifest_for), before Ray or a server starts.
     aux_layer_ids: list[int] | None = None
     # Run the model's own tokenizer/model code (Kimi-K2.5 needs it); also passed to SGLang.
     trust_remote_code: bool = False
@@ -44,8 +52,15 @@ class ModelConfig(_Section):
     @field_validator("aux_layer_ids")
     @classmethod
     def _distinct(cls, ids: list[int] | None) -> list[int] | None:
-        if ids is not None and (not ids or len(set(ids)) != len(ids) or min(ids) < 0):
-            raise ValueError("must be a non-empty list of distinct, non-negative layer ids")
+        if ids is None:
+            return ids
+        if not 1 <= len(ids) <= MAX_AUX_LAYERS:
+            raise ValueError(f"must name 1 to {MAX_AUX_LAYERS} layers, got {len(ids)}: {ids}")
+        repeated = sorted({i for i in ids if ids.count(i) > 1})
+        if repeated:
+            raise ValueError(f"layer ids must be distinct, {repeated} repeated in {ids}")
+        if min(ids) < 0:
+            raise ValueError(f"layer ids must be non-negative, got {ids}")
         return ids
 
 
@@ -107,6 +122,9 @@ class StoreConfig(_Section):
     codec_level: int = Field(1, ge=1, le=22)
     samples_per_shard: int = Field(64, ge=1)  # one work shard = one lease = one commit
     chunk_tokens: int | None = Field(None, ge=1)  # null: ~32 MB of aux rows per chunk
+    # Keep the final norm's input (what vLLM speculators trains on) besides the post-norm state
+    # (SpecForge's): one more [T, H] array, +1/(num_aux + 1) of the hidden bytes.
+    prenorm: bool = True
 
 
 class WorkerConfigSection(_Section):

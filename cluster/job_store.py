@@ -19,7 +19,7 @@ from typing import Any
 
 import zarr.errors
 
-from cluster.config import JobConfig
+from cluster.config import ConfigError, JobConfig
 from cluster.plan import (
     PartEnd,
     PlanError,
@@ -30,7 +30,7 @@ from cluster.plan import (
 )
 from store.builder import StoreBuilder
 from store.format import Manifest, Shard, Store, StoreIncomplete, make_manifest
-from store.layers import expected_capture
+from store.layers import LayerIdsError, expected_capture
 
 PROJECT_AFTER_PARTS = 8  # planned parts after which the storage estimate is projected
 
@@ -50,9 +50,13 @@ def job_spec(config: JobConfig, sources_sha256: list[str]) -> dict[str, Any]:
 
 
 def manifest_for(config: JobConfig, chat_template: str | None) -> Manifest:
-    capture = expected_capture(
-        Path(config.model.path), config.model.aux_layer_ids, config.model.dtype
-    )
+    """Raises ConfigError when model.aux_layer_ids name layers the model does not have."""
+    try:
+        capture = expected_capture(
+            Path(config.model.path), config.model.aux_layer_ids, config.model.dtype
+        )
+    except LayerIdsError as exc:
+        raise ConfigError(f"invalid job config:\n  model.aux_layer_ids: {exc}") from None
     codec = {"name": "none"}
     if config.store.codec == "zstd":
         codec = {"name": "zstd", "level": config.store.codec_level}
@@ -65,6 +69,7 @@ def manifest_for(config: JobConfig, chat_template: str | None) -> Manifest:
         chat_template=chat_template,
         codec=codec,
         chunk_tokens=config.store.chunk_tokens,
+        prenorm=config.store.prenorm,
     )
 
 
@@ -73,14 +78,15 @@ def storage_estimate(manifest: Manifest, tokens: int) -> dict[str, int]:
     itemsize = 2 if manifest.dtype == "bfloat16" else 4
     return {
         "aux_hidden_states": tokens * manifest.num_aux * manifest.hidden_size * itemsize,
-        "final_hidden_states": tokens * manifest.hidden_size * itemsize,
+        **{name: tokens * manifest.hidden_size * itemsize for name in manifest.hidden_arrays[1:]},
         "input_ids_and_loss_mask": tokens * 5,
     }
 
 
 def describe_capture(manifest: Manifest, store_url: str) -> str:
+    finals = ", ".join(manifest.final_states)
     return (
-        f"capture: layers {manifest.layer_ids} + final, hidden {manifest.hidden_size}, "
+        f"capture: layers {manifest.layer_ids} + final ({finals}), hidden {manifest.hidden_size}, "
         f"{manifest.dtype}, chunks of {manifest.chunk_tokens} tokens, codec {manifest.codec}, "
         f"shards of {manifest.samples_per_shard} samples, into {store_url}"
     )
@@ -89,11 +95,12 @@ def describe_capture(manifest: Manifest, store_url: str) -> str:
 def describe_estimate(manifest: Manifest, samples: int, tokens: int, store_url: str) -> str:
     estimate = storage_estimate(manifest, tokens)
     total = sum(estimate.values())
+    finals = sum(estimate[name] for name in manifest.hidden_arrays[1:])
     shards = -(-samples // manifest.samples_per_shard)
     lines = [
         f"{samples} samples, {tokens:,} tokens, {shards} shards; storage estimate "
         f"{total / 1e9:.3f} GB before compression (aux {estimate['aux_hidden_states'] / 1e9:.3f}"
-        f" GB, final {estimate['final_hidden_states'] / 1e9:.3f} GB) at {store_url}"
+        f" GB, final states {finals / 1e9:.3f} GB) at {store_url}"
     ]
     local = Path(store_url) if "://" not in store_url else None
     if local is not None:

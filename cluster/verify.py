@@ -28,7 +28,7 @@ import numpy as np
 
 from cluster.verify_logprobs import check_logprobs
 from cluster.verify_server import VerifyServer
-from store.format import HIDDEN_ARRAYS, STATUS_WRITTEN, Store
+from store.format import STATUS_WRITTEN, Store
 from store.model_identity import model_mismatches
 from store.verify import VerifyReport, describe_recompute, verify_store
 
@@ -120,7 +120,7 @@ class _Recompute:
             if meta.get("rid") != rid or not np.array_equal(tensors["input_ids"].numpy(), ids):
                 raise RuntimeError(f"the dump is not this request's (rid {meta.get('rid')!r})")
             result: dict[str, Any] = {"sample": i, "sample_id": str(g["sample_id"][i])}
-            for name in HIDDEN_ARRAYS:
+            for name in self.store.manifest.hidden_arrays:
                 cos, err = compare_rows(np.asarray(g[name][rows]), tensors[name])
                 result[name] = {"min_cosine": cos, "relative_error": err}
         finally:
@@ -131,7 +131,7 @@ class _Recompute:
     def judge(self, i: int, result: dict[str, Any]) -> bool:
         min_cos, max_err = TOLERANCE[self.store.manifest.dtype]
         ok = True
-        for name in HIDDEN_ARRAYS:
+        for name in self.store.manifest.hidden_arrays:
             cos, err = result[name]["min_cosine"], result[name]["relative_error"]
             if not (cos >= min_cos and err <= max_err):  # NaN fails too
                 ok = False

@@ -1,14 +1,20 @@
 """Per-request capture of aux + final hidden states from SGLang's prefill forwards.
 
-Two hooks, both installed through SGLang's HookRegistry:
+Three hooks, all installed through SGLang's HookRegistry:
 - AFTER `ForwardBatch.init_new`: remember each request's prompt length and whether it was ever
   retracted (the forward batch carries neither; chunked prefill needs the length to know when a
   prompt is complete);
+- AROUND the layer stack's terminal norm (`residual.batch.final_norm`, which every SGLang model
+  calls once per forward): keep the norm's input, the last layer's output with its residual
+  added (the pre-norm final state vLLM speculators trains on), through the function's own
+  `capture` callback, for the forward hook (the model may see another ForwardBatch object
+  than the runner, so it is kept per process: a scheduler runs its forwards one at a time);
 - AFTER `ModelRunner.forward`: for every extend forward, cut the packed aux states
-  (`logits_output.hidden_states` [T, n_aux*H]) and the post-norm final states
-  (`logits_output.last_hidden_states` [T, H]) per request, copy our requests' rows into their
-  dumps, and publish each dump once its prompt is complete. The dump's location goes back to
-  the client through `logits_output.customized_info`, which SGLang puts in `meta_info`.
+  (`logits_output.hidden_states` [T, n_aux*H]), the post-norm final states
+  (`logits_output.last_hidden_states` [T, H]) and the pre-norm ones per request, copy our
+  requests' rows into their dumps, and publish each dump once its prompt is complete. The
+  dump's location goes back to the client through `logits_output.customized_info`, which
+  SGLang puts in `meta_info`.
 
 This hook runs eagerly after every forward, CUDA-graph replays included, with outputs
 already trimmed of graph padding (unlike a hook on the model's own forward).
@@ -40,7 +46,9 @@ logger = logging.getLogger(__name__)
 
 FORWARD_TARGET = "sglang.srt.model_executor.model_runner.ModelRunner.forward"
 INIT_BATCH_TARGET = "sglang.srt.model_executor.forward_batch_info.ForwardBatch.init_new"
+FINAL_NORM_TARGET = "sglang.srt.layers.layer_boundary.residual.batch.final_norm"
 _REQUESTS_ATTR = "_hidden_capture_requests"
+FINAL_STATES = ["post_norm", "pre_norm"]  # what every dump holds, in this order
 
 
 @dataclass(frozen=True)
@@ -60,10 +68,11 @@ class _OpenDump:
 class CaptureSession:
     """The capture state of one server (one scheduler process, TP rank 0)."""
 
-    def __init__(self, settings: CaptureSettings, rank: CaptureRank) -> None:
+    def __init__(self, settings: CaptureSettings, rank: CaptureRank, prenorm: PrenormSlot) -> None:
         assert settings.dump_dir is not None
         self.settings = settings
         self.rank = rank
+        self.prenorm = prenorm
         self.writer: DumpWriter | None = None  # made at the first capture, sized by its layout
         self._counter = itertools.count()
         self._open: dict[str, _OpenDump] = {}
@@ -72,6 +81,7 @@ class CaptureSession:
     # -- hooks -------------------------------------------------------------------------
 
     def on_forward(self, output: Any, runner: Any, forward_batch: Any) -> None:
+        prenorm = self.prenorm.take()  # this forward's, never a later one's
         if getattr(runner, "is_draft_worker", False) or not self.rank.writes:
             return
         if not forward_batch.forward_mode.is_extend_without_speculative():
@@ -84,7 +94,7 @@ class CaptureSession:
         infos: list[dict[str, Any] | None] = [None] * len(rids)
         for i in ours:
             try:
-                infos[i] = self._capture_request(i, logits_output, runner, forward_batch)
+                infos[i] = self._capture_request(i, logits_output, prenorm, runner, forward_batch)
             except Exception as exc:  # never take the server down; report it per request
                 logger.exception("hidden capture failed for rid %s", rids[i])
                 self._discard(rids[i])
@@ -97,7 +107,12 @@ class CaptureSession:
     # -- per request -------------------------------------------------------------------
 
     def _capture_request(
-        self, i: int, logits_output: Any, runner: Any, forward_batch: Any
+        self,
+        i: int,
+        logits_output: Any,
+        prenorm: torch.Tensor | None,
+        runner: Any,
+        forward_batch: Any,
     ) -> dict[str, Any] | None:
         rid = forward_batch.rids[i]
         requests = getattr(forward_batch, _REQUESTS_ATTR, None)
@@ -112,6 +127,11 @@ class CaptureSession:
             raise RuntimeError(
                 "the forward returned no aux/final hidden states: start the server with "
                 "--enable-return-aux-hidden-states --speculative-algorithm EAGLE3"
+            )
+        if prenorm is None or prenorm.shape != final.shape:
+            raise RuntimeError(
+                f"no pre-norm final state for this forward ({type(runner.model).__name__} "
+                f"did not pass its final norm through {FINAL_NORM_TARGET})"
             )
         layout = self._layout_for(runner, aux, final)
         prompt_len = request.prompt_len
@@ -129,6 +149,7 @@ class CaptureSession:
         n_aux, hidden = layout["num_aux"], layout["hidden_size"]
         dump.pending.fill("aux_hidden_states", start, aux[rows].view(n, n_aux, hidden))
         dump.pending.fill("final_hidden_states", start, final[rows])
+        dump.pending.fill("prenorm_hidden_states", start, prenorm[rows])
         dump.pending.fill("input_ids", start, forward_batch.input_ids[rows].to(torch.int64))
         dump.pending.fill("positions", start, forward_batch.positions[rows].to(torch.int64))
         dump.covered[start : start + n] = True
@@ -148,6 +169,7 @@ class CaptureSession:
             "positions": ((prompt_len,), torch.int64),
             "aux_hidden_states": ((prompt_len, layout["num_aux"], hidden), dtype),
             "final_hidden_states": ((prompt_len, hidden), dtype),
+            "prenorm_hidden_states": ((prompt_len, hidden), dtype),
         }
         meta = {
             "format": DUMP_FORMAT,
@@ -171,7 +193,8 @@ class CaptureSession:
         assert self.settings.dump_dir is not None
         region_bytes = 0
         if self.settings.max_tokens:  # ids + positions (int64), then the hidden states
-            row = 16 + (layout["num_aux"] + 1) * layout["hidden_size"] * layout["itemsize"]
+            states = layout["num_aux"] + len(FINAL_STATES)
+            row = 16 + states * layout["hidden_size"] * layout["itemsize"]
             region_bytes = self.settings.max_tokens * row
         return DumpWriter(
             self.rank.dump_root(self.settings.dump_dir),
@@ -205,7 +228,7 @@ class CaptureSession:
                 "dtype": str(final.dtype).removeprefix("torch."),
                 "torch_dtype": final.dtype,
                 "itemsize": final.dtype.itemsize,
-                "final_state": "post_norm",
+                "final_states": FINAL_STATES,
                 "architecture": type(runner.model).__name__,
             }
         return self._layout
@@ -255,10 +278,57 @@ def _record_requests(forward_batch: Any, cls: type, batch: Any, *args: Any, **kw
     setattr(forward_batch, _REQUESTS_ATTR, requests)
 
 
+class PrenormSlot:
+    """The pre-norm final state of the forward running in this process, from the final-norm
+    hook to the forward hook."""
+
+    def __init__(self) -> None:
+        self._state: torch.Tensor | None = None
+
+    def put(self, state: torch.Tensor) -> None:
+        self._state = state
+
+    def take(self) -> torch.Tensor | None:
+        state, self._state = self._state, None
+        return state
+
+
+def _prenorm_keeper(rid_prefix: str, slot: PrenormSlot) -> Any:
+    """An AROUND hook for the terminal norm that keeps its input in `slot` when the batch is an
+    extend holding a request of ours. The input comes through final_norm's own `capture`
+    callback (the updated residual of the fused add + norm, so the very tensor the norm reads;
+    borrowed, so copied), and a capture the model passed still gets it."""
+
+    def keep_prenorm(
+        original: Any,
+        hidden_states: Any,
+        forward_batch: Any,
+        layernorm: Any,
+        capture: Any = None,
+        **kwargs: Any,
+    ) -> Any:
+        mode = forward_batch.forward_mode
+        rids = forward_batch.rids or []
+        if not mode.is_extend_without_speculative() or not any(
+            rid.startswith(rid_prefix) for rid in rids
+        ):
+            return original(hidden_states, forward_batch, layernorm, capture, **kwargs)
+
+        def keep(state: torch.Tensor) -> None:
+            slot.put(state.clone())
+            if capture is not None:
+                capture(state)
+
+        return original(hidden_states, forward_batch, layernorm, keep, **kwargs)
+
+    return keep_prenorm
+
+
 def register(settings: CaptureSettings) -> None:
     from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
     session: CaptureSession | None = None
+    prenorm = PrenormSlot()
 
     def after_forward(
         output: Any, runner: Any, forward_batch: Any, *args: Any, **kwargs: Any
@@ -267,8 +337,10 @@ def register(settings: CaptureSettings) -> None:
         # scheduler runs forwards, and only it should own a writer thread.
         nonlocal session
         if session is None:
-            session = CaptureSession(settings, _this_rank())
+            session = CaptureSession(settings, _this_rank(), prenorm)
         session.on_forward(output, runner, forward_batch)
 
     HookRegistry.register(INIT_BATCH_TARGET, _record_requests, HookType.AFTER)
+    keeper = _prenorm_keeper(settings.rid_prefix, prenorm)
+    HookRegistry.register(FINAL_NORM_TARGET, keeper, HookType.AROUND)
     HookRegistry.register(FORWARD_TARGET, after_forward, HookType.AFTER)

@@ -112,14 +112,15 @@ class StoreBuilder:
             compressors=comp,
             attributes=hidden_attrs,
         )
-        new(
-            "final_hidden_states",
-            (0, m.hidden_size),
-            hidden,
-            (c, m.hidden_size),
-            compressors=comp,
-            attributes=hidden_attrs,
-        )
+        for name in m.hidden_arrays[1:]:  # the final states
+            new(
+                name,
+                (0, m.hidden_size),
+                hidden,
+                (c, m.hidden_size),
+                compressors=comp,
+                attributes=hidden_attrs,
+            )
         new("sample_start", (0,), "int64", (PER_SAMPLE_BLOCK,))
         new("sample_length", (0,), "int32", (PER_SAMPLE_BLOCK,))
         new("sample_id", (0,), str, (per_shard,), fill="")  # a worker reads its shard's in one
@@ -242,7 +243,7 @@ class StoreBuilder:
     def _resize(self, tokens: int, samples: int, shards: int, exact: bool) -> None:
         """Grow (doubling, ahead of need) or, once `exact`, trim every array; chunks stay."""
         for names, size in (
-            (("input_ids", "loss_mask", "aux_hidden_states", "final_hidden_states"), tokens),
+            (("input_ids", "loss_mask", *self.store.manifest.hidden_arrays), tokens),
             (("sample_start", "sample_length", "sample_id", "sample_status"), samples),
             (("shard_committed", "shard_summary", "shard_plan_sha256"), shards),
         ):

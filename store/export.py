@@ -397,13 +397,12 @@ def _notes(store: Store, fmt: str) -> list[str]:
         f"--target-layer-ids {' '.join(map(str, m.layer_ids))} <num_hidden_layers> "
         f"(rows without a file are failed or uncommitted samples)"
     ]
-    if m.final_state != "pre_norm":
-        notes.append(
-            f"hidden_states[:, -1] holds this store's {m.final_state} final state; speculators "
-            f"(since vllm-project/speculators PR #313) applies the verifier's final norm to it "
-            f"before the lm_head, as vLLM captures it pre-norm: with this export the target is "
-            f"normalized twice"
-        )
+    notes.append(
+        "hidden_states[:, -1] holds this store's post-norm final state; speculators "
+        "(since vllm-project/speculators PR #313) applies the verifier's final norm to it "
+        "before the lm_head, as vLLM captures it pre-norm: with this export the target is "
+        "normalized twice"
+    )
     return notes
 
 
@@ -415,7 +414,7 @@ def _begin(out: Path, url: str, store: Store, fmt: str, sample_ids: list[str]) -
     doc = {
         "export_version": EXPORT_VERSION,
         **identity,
-        "final_state": m.final_state,
+        "final_states": m.final_states,
         "layer_ids": list(m.layer_ids),
         "layout": _layout(fmt),
         "notes": _notes(store, fmt),

@@ -7,7 +7,8 @@ One Zarr v3 group, flat and token-major; sample i owns rows `sample_rows(i)` of 
 | `input_ids` | [T] int32 | chunk_tokens | driver |
 | `loss_mask` | [T] uint8 | chunk_tokens | driver |
 | `aux_hidden_states` | [T, num_aux, H] uint16 (bf16 bits) / float32 | chunk_tokens | workers |
-| `final_hidden_states` | [T, H] same | chunk_tokens | workers |
+| `final_hidden_states` | [T, H] same, after the final norm | chunk_tokens | workers |
+| `prenorm_hidden_states` | [T, H] same, the final norm's input (*) | chunk_tokens | workers |
 | `sample_start` | [N] int64 | PER_SAMPLE_BLOCK | driver |
 | `sample_length` | [N] int32 | PER_SAMPLE_BLOCK | driver |
 | `sample_id` | [N] string (variable-length UTF-8) | samples_per_shard | driver |
@@ -15,6 +16,8 @@ One Zarr v3 group, flat and token-major; sample i owns rows `sample_rows(i)` of 
 | `shard_committed` | [S] uint8: 1 once the shard's rows are complete | 1 | workers |
 | `shard_summary` | [S] string (JSON per shard; "" until committed) | 1 | workers |
 | `shard_plan_sha256` | [S] string: sha256 of its planned ids + mask | PER_SHARD_BLOCK | driver |
+
+(*) only where the manifest's `final_states` holds "pre_norm" (the default of new stores).
 
 The plan streams in (store/builder.py): the driver creates every array empty and writes the
 group attribute `created`, then appends planned shards group by group, each shard's digest in
@@ -59,11 +62,13 @@ from store.location import StoreAccessError, describe_failure, first_key, open_l
 from store.model_identity import model_identity
 
 # 2: the `created` marker and `shard_plan_sha256`; 3: `weights_fingerprint`; 4: a plan streamed
-# into the store (`planned`, arrays grown as shards are planned).
-SCHEMA_VERSION = 4
+# into the store (`planned`, arrays grown as shards are planned); 5: `final_states` (the pre-norm
+# final state as well as the post-norm one) instead of `final_state`.
+SCHEMA_VERSION = 5
 # Read, never written: a schema-2 store reads as one whose weights fingerprint is unknown (None);
-# schema 2 and 3 stores were planned whole before `created`.
-READABLE_SCHEMA_VERSIONS = (2, 3, 4)
+# schema 2 and 3 stores were planned whole before `created`; schema 2-4 ones hold the post-norm
+# final state only (their `final_state` reads as final_states == [final_state]).
+READABLE_SCHEMA_VERSIONS = (2, 3, 4, 5)
 PER_SAMPLE_BLOCK = 1 << 16  # sample_start / sample_length elements per chunk
 PER_SHARD_BLOCK = 1 << 12  # shard_plan_sha256 elements per chunk
 BF16_ATTR = {"stored_as": "uint16", "dtype": "bfloat16"}
@@ -82,7 +87,9 @@ def default_chunk_tokens(num_aux: int, hidden_size: int, itemsize: int = 2) -> i
 
 
 STATUS_PLANNED, STATUS_WRITTEN, STATUS_FAILED = 0, 1, 2
-HIDDEN_ARRAYS = ("aux_hidden_states", "final_hidden_states")
+HIDDEN_ARRAYS = ("aux_hidden_states", "final_hidden_states", "prenorm_hidden_states")
+# The final states a store can hold, in this order, and the array holding each.
+FINAL_STATE_ARRAYS = {"post_norm": "final_hidden_states", "pre_norm": "prenorm_hidden_states"}
 
 
 class StoreFormatError(ValueError):
@@ -122,7 +129,7 @@ class Manifest:
     chat_template_hash: str | None
     layer_ids: list[int]  # resolved HF hidden_states indices, ascending
     layer_convention: str
-    final_state: str  # "post_norm"
+    final_states: list[str]  # ["post_norm"] or ["post_norm", "pre_norm"] (FINAL_STATE_ARRAYS)
     hidden_size: int
     num_aux: int
     dtype: str  # "bfloat16" (stored as uint16 bits) or "float32"
@@ -135,18 +142,32 @@ class Manifest:
         _check_version(self.schema_version)
         if self.schema_version >= 3 and not isinstance(self.weights_fingerprint, str):
             raise ValueError(f"schema {self.schema_version} needs a weights_fingerprint")
+        if self.final_states not in (["post_norm"], ["post_norm", "pre_norm"]):
+            raise ValueError(
+                f"final_states must be ['post_norm'] or ['post_norm', 'pre_norm'], "
+                f"got {self.final_states!r}"
+            )
         if self.dtype not in ("bfloat16", "float32"):
             raise ValueError(f"dtype must be bfloat16 or float32, got {self.dtype!r}")
         if self.codec.get("name") not in ("zstd", "none"):
             raise ValueError(f"codec must be zstd or none, got {self.codec!r}")
-        if list(self.layer_ids) != sorted(self.layer_ids) or len(self.layer_ids) != self.num_aux:
-            raise ValueError(f"layer_ids {self.layer_ids} must be ascending, one per aux slot")
+        ids = list(self.layer_ids)
+        if ids != sorted(set(ids)) or len(ids) != self.num_aux:
+            raise ValueError(f"layer_ids {ids} must be strictly ascending, one per aux slot")
         if min(self.chunk_tokens, self.samples_per_shard, self.hidden_size, self.num_aux) < 1:
             raise ValueError("chunk_tokens, samples_per_shard, hidden_size, num_aux must be >= 1")
 
+    @property
+    def hidden_arrays(self) -> tuple[str, ...]:
+        """The hidden arrays this store holds: the aux states, then one per final state."""
+        return ("aux_hidden_states", *(FINAL_STATE_ARRAYS[s] for s in self.final_states))
+
     def to_json(self) -> dict[str, Any]:
+        data = dataclasses.asdict(self)
+        if self.schema_version < 5:  # as such a store keeps it (compared with stored copies)
+            data["final_state"] = self.final_states[0]
         fields = manifest_fields(self.schema_version)
-        return {k: v for k, v in dataclasses.asdict(self).items() if k in fields}
+        return {k: v for k, v in data.items() if k in fields}
 
     @classmethod
     def from_json(cls, data: Mapping[str, Any]) -> Manifest:
@@ -159,11 +180,15 @@ class Manifest:
                 f"manifest fields differ from schema {version}: "
                 f"unknown {sorted(set(data) - names)}, missing {sorted(names - set(data))}"
             )
+        fields = dict(data)
+        if version < 5:
+            fields["final_states"] = [fields.pop("final_state")]
         return cls(
             **{
                 "weights_fingerprint": None,  # schema 2 has none
-                **data,
+                **fields,
                 "layer_ids": list(data["layer_ids"]),
+                "final_states": list(fields["final_states"]),
                 "codec": dict(data["codec"]),
             }
         )
@@ -172,6 +197,8 @@ class Manifest:
 def manifest_fields(version: int) -> set[str]:
     """The fields a manifest of schema `version` holds."""
     names = {f.name for f in dataclasses.fields(Manifest)}
+    if version < 5:
+        names = names - {"final_states"} | {"final_state"}
     return names - {"weights_fingerprint"} if version == 2 else names
 
 
@@ -194,10 +221,12 @@ def make_manifest(
     chat_template: str | None = None,
     codec: Mapping[str, Any] = DEFAULT_CODEC,
     chunk_tokens: int | None = None,
+    prenorm: bool = True,
 ) -> Manifest:
     """A manifest with the recommended codec and chunking. `capture` holds the capture fields
-    named as in a dump's meta.json (layer_ids, layer_convention, final_state, hidden_size,
-    num_aux, dtype), so calibration can compare a dump with the manifest key by key."""
+    named as in a dump's meta.json (layer_ids, layer_convention, hidden_size, num_aux, dtype),
+    so calibration can compare a dump with the manifest key by key. `prenorm`: keep the final
+    norm's input too (what vLLM speculators trains on) besides the post-norm state."""
     model_dir = Path(model_dir)
     num_aux, hidden, dtype = int(capture["num_aux"]), int(capture["hidden_size"]), capture["dtype"]
     itemsize = 2 if dtype == "bfloat16" else 4
@@ -210,7 +239,7 @@ def make_manifest(
         ),
         layer_ids=sorted(int(i) for i in capture["layer_ids"]),
         layer_convention=str(capture["layer_convention"]),
-        final_state=str(capture["final_state"]),
+        final_states=["post_norm", "pre_norm"] if prenorm else ["post_norm"],
         hidden_size=hidden,
         num_aux=num_aux,
         dtype=str(dtype),

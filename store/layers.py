@@ -24,6 +24,10 @@ DEEPSEEK_STYLE = {
 }
 
 
+class LayerIdsError(ValueError):
+    """Aux layer ids this model cannot capture."""
+
+
 def model_config(model_path: Path) -> dict:
     return json.loads((Path(model_path) / "config.json").read_text())
 
@@ -35,19 +39,31 @@ def num_layers_and_hidden(config: dict) -> tuple[int, int]:
 
 def resolve_layer_ids(config: dict, requested: list[int] | None) -> list[int]:
     """The HF hidden_states indices SGLang captures for `--return-aux-hidden-state-layer-ids
-    requested` (None: its EAGLE-3 default, the layers it serves the drafter with)."""
+    requested` (None: its EAGLE-3 default, the layers it serves the drafter with). Raises
+    LayerIdsError for ids no decoder layer of this model takes: SGLang 0.5.23 checks only
+    `id < num_hidden_layers` before the +1, so Llama's id L-1 passes its startup check and
+    fails the server's first forward ("The model captured 4 aux hidden states, but ... names
+    5 layers"; DeepSeek's packer: "captured 4 of 5")."""
     num_layers, _ = num_layers_and_hidden(config)
+    deepseek = bool(set(config.get("architectures") or []) & DEEPSEEK_STYLE)
     if requested is None:
         resolved = [2, num_layers // 2, num_layers - 3]
-    elif set(config.get("architectures") or []) & DEEPSEEK_STYLE:
+    elif deepseek:
         resolved = [i + 1 for i in requested] if requested and requested[0] == 1 else requested
     else:
         resolved = [i + 1 for i in requested]
     bad = [i for i in resolved if not 0 <= i < num_layers]
     if bad:
-        raise ValueError(
-            f"aux layer ids {requested} resolve to hidden_states indices {resolved}; {bad} "
-            f"cannot be captured from a {num_layers}-layer model (valid: 0..{num_layers - 1})"
+        if requested is None:
+            asked, rule = "SGLang's EAGLE-3 default", "[2, L//2, L-3]"
+        elif deepseek:
+            asked, rule = f"{requested}", "DeepSeek-style: as given, each + 1 if the first is 1"
+        else:
+            asked, rule = f"{requested}", f"Llama-style: each + 1, so ask for 0..{num_layers - 2}"
+        raise LayerIdsError(
+            f"aux layer ids {asked} resolve to hidden_states indices {resolved} ({rule}); "
+            f"{bad} cannot be captured from this {num_layers}-layer model (indices "
+            f"0..{num_layers - 1}: the residual stream entering each decoder layer)"
         )
     return sorted(resolved)
 
@@ -63,7 +79,7 @@ def requested_layer_ids(config: dict[str, Any], resolved: Sequence[int]) -> list
     else:
         requested = [i - 1 for i in resolved]
     if min(requested, default=0) < 0 or resolve_layer_ids(config, requested) != resolved:
-        raise ValueError(
+        raise LayerIdsError(
             f"no --return-aux-hidden-state-layer-ids make SGLang capture {resolved} "
             f"for {config.get('architectures')}"
         )
@@ -78,7 +94,6 @@ def expected_capture(model_path: Path, requested: list[int] | None, dtype: str) 
     return {
         "layer_ids": layer_ids,
         "layer_convention": LAYER_CONVENTION,
-        "final_state": "post_norm",
         "hidden_size": num_layers_and_hidden(config)[1],
         "num_aux": len(layer_ids),
         "dtype": dtype,

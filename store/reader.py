@@ -7,8 +7,10 @@
 
 Each sample is a dict: `sample_id` (str), `input_ids` (int64 [T]), `loss_mask` (int64 [T]),
 `aux_hidden_states` ([T, num_aux * H], the aux layers concatenated in the manifest's ascending
-`layer_ids` order, as EAGLE-3 consumes them) and `final_hidden_states` ([T, H]); hidden states
-are bf16 tensors viewing the stored bits (float32 for a float32 store).
+`layer_ids` order, as EAGLE-3 consumes them), `final_hidden_states` ([T, H], after the model's
+final norm) and, when the store keeps it (manifest `final_states`), `prenorm_hidden_states`
+([T, H], the final norm's input); hidden states are bf16 tensors viewing the stored bits
+(float32 for a float32 store).
 
 The set of visible samples is fixed when the reader is built (a snapshot of the commit markers
 and sample statuses): samples of uncommitted shards, and failed samples, are never returned.
@@ -33,13 +35,18 @@ from torch.utils.data import Dataset, IterableDataset, get_worker_info
 
 from store import file_rows, object_rows
 from store.file_rows import FileRows
-from store.format import HIDDEN_ARRAYS, STATUS_WRITTEN, Manifest, Shard, Store
+from store.format import STATUS_WRITTEN, Manifest, Shard, Store
 from store.location import is_remote
 from store.object_rows import RemoteRows
 from store.read_ahead import Block
 
 Sample = dict[str, Any]
-TOKEN_ARRAYS = ("input_ids", "loss_mask", *HIDDEN_ARRAYS)
+PLAN_ARRAYS = ("input_ids", "loss_mask")
+
+
+def token_arrays(manifest: Manifest) -> tuple[str, ...]:
+    """The token-major arrays a sample is read from: the plan's, then the hidden ones."""
+    return (*PLAN_ARRAYS, *manifest.hidden_arrays)
 
 
 class _StoreView:
@@ -97,7 +104,7 @@ class _StoreView:
         """The store's row reader, made once per process (array handles read metadata)."""
         store = self.store  # first: refuses a forked copy of a remote store
         if self._rows is None:
-            arrays = {name: store.group[name] for name in TOKEN_ARRAYS}
+            arrays = {name: store.group[name] for name in token_arrays(self.manifest)}
             if is_remote(self.url):
                 self._rows = RemoteRows(
                     arrays,
@@ -130,7 +137,10 @@ class _StoreView:
             "input_ids": torch.from_numpy(rows["input_ids"][a:b].astype(np.int64)),
             "loss_mask": torch.from_numpy(rows["loss_mask"][a:b].astype(np.int64)),
             "aux_hidden_states": self._hidden(aux.reshape(len(aux), -1)),
-            "final_hidden_states": self._hidden(rows["final_hidden_states"][a:b]),
+            **{
+                name: self._hidden(rows[name][a:b])
+                for name in self.manifest.hidden_arrays[1:]  # the final states
+            },
         }
 
     def _hidden(self, x: np.ndarray) -> torch.Tensor:

@@ -90,7 +90,8 @@ MANIFEST_TYPES: dict[str, tuple[type, ...]] = {
     "chat_template_hash": (str, type(None)),
     "layer_ids": (list,),
     "layer_convention": (str,),
-    "final_state": (str,),
+    "final_state": (str,),  # schema 2-4
+    "final_states": (list,),  # schema 5
     "hidden_size": (int,),
     "num_aux": (int,),
     "dtype": (str,),
@@ -182,6 +183,7 @@ def describe_recompute(result: dict[str, Any]) -> str:
         f"{name.split('_')[0]} cos {result[name]['min_cosine']:.6f} "
         f"err {result[name]['relative_error']:.3%}"
         for name in HIDDEN_ARRAYS
+        if name in result
     ]
     verdict = "ok" if result["ok"] else "FAIL"
     return f"sample {result['sample']} ({result['sample_id']}): {', '.join(parts)}: {verdict}"
@@ -374,7 +376,7 @@ class _Verifier:
             "input_ids": ((t,), "int32", (c,)),
             "loss_mask": ((t,), "uint8", (c,)),
             "aux_hidden_states": ((t, *aux), hidden, (c, *aux)),
-            "final_hidden_states": ((t, *final), hidden, (c, *final)),
+            **{name: ((t, *final), hidden, (c, *final)) for name in m.hidden_arrays[1:]},
             "sample_start": ((n,), "int64", per_sample),
             "sample_length": ((n,), "int32", per_sample),
             "sample_id": ((n,), "str", (m.samples_per_shard,)),
@@ -437,7 +439,7 @@ class _Verifier:
                 f"sample {self.name(i)}: length {lengths[i]} > max_length {m.max_length}",
             )
         ends = starts + lengths
-        for name in ("input_ids", "loss_mask", *HIDDEN_ARRAYS):
+        for name in ("input_ids", "loss_mask", *self.m.hidden_arrays):
             if name in self.g:
                 rows = self.g[name].shape[0]
                 outside = np.flatnonzero((starts < 0) | (ends > rows))
@@ -603,7 +605,7 @@ class _Verifier:
     # -- chunks --
 
     def check_chunks(self) -> str | None:
-        arrays = [n for n in HIDDEN_ARRAYS if n not in self.bad_arrays]
+        arrays = [n for n in self.m.hidden_arrays if n not in self.bad_arrays]
         present = {n: stored_chunk_rows(self.g[n]) for n in arrays}
         if any(p is None for p in present.values()):
             self.report.checked["chunk_listing"] = False
@@ -635,7 +637,7 @@ class _Verifier:
     # -- values --
 
     def check_values(self, block_bytes: int = BLOCK_BYTES) -> str | None:
-        arrays = [n for n in HIDDEN_ARRAYS if n not in self.bad_arrays]
+        arrays = [n for n in self.m.hidden_arrays if n not in self.bad_arrays]
         if self.report.checks.get("commits") != "ran":
             return "the commit check did not run"
         if not arrays:

@@ -56,6 +56,7 @@ class RoutingTie:
 class Reference:
     aux: torch.Tensor  # [T, n_layers, H]: HF output_hidden_states[i] for each requested i
     final: torch.Tensor  # [T, H]: last_hidden_state, after the final norm
+    prenorm: torch.Tensor  # [T, H]: the final norm's input (the last layer's output)
     ties: tuple[RoutingTie, ...]  # routing ties of this run
     forced: ExpertChoices  # expert sets forced at ties (the data's choices)
 
@@ -120,17 +121,22 @@ def reference_states(
     """HF `output_hidden_states[i]` is the residual stream entering layer i."""
     model, forced = reference_model(model_path), forced or {}
     ties: list[RoutingTie] = []
+    norm_inputs: list[torch.Tensor] = []
     handles = [
         router.register_forward_hook(_router_hook(layer, forced, ties))
         for layer, router in moe_routers(model).items()
     ]
+    handles.append(
+        model.model.norm.register_forward_pre_hook(lambda _m, args: norm_inputs.append(args[0]))
+    )
     try:
         out = model.model(torch.tensor([input_ids]), output_hidden_states=True)
     finally:
         for handle in handles:
             handle.remove()
     aux = torch.stack([out.hidden_states[i][0] for i in layer_ids], dim=1)
-    return Reference(aux, out.last_hidden_state[0], tuple(ties), dict(forced))
+    (prenorm,) = norm_inputs
+    return Reference(aux, out.last_hidden_state[0], prenorm[0], tuple(ties), dict(forced))
 
 
 def _squared_error(reference: Reference, aux: torch.Tensor, final: torch.Tensor) -> float:
@@ -193,8 +199,10 @@ def assert_matches(
     min_cos: float,
     max_error: float,
     what: str,
+    prenorm: torch.Tensor | None = None,
 ) -> Reference:
-    """Every row close to the HF reference run with the data's expert choices at routing ties.
+    """Every row close to the HF reference run with the data's expert choices at routing ties;
+    `prenorm` (the final norm's input), when given, too.
 
     Ties are few on these models; many would mean a model too degenerate to test with (and
     would give the data too many choices to explain itself with)."""
@@ -205,7 +213,10 @@ def assert_matches(
         f"{what}: {len(tie_rows)} routing-tie rows in {len(input_ids)}: "
         "the tiny model routes too close to call"
     )
-    for name, actual, expected in (("aux", aux, reference.aux), ("final", final, reference.final)):
+    pairs = [("aux", aux, reference.aux), ("final", final, reference.final)]
+    if prenorm is not None:
+        pairs.append(("prenorm", prenorm, reference.prenorm))
+    for name, actual, expected in pairs:
         cos, err = min_cosine(actual, expected), relative_error(actual, expected)
         assert cos >= min_cos, f"{what}: {name} differs (min cosine {cos:.7f} < {min_cos})"
         assert err <= max_error, f"{what}: {name} differs (relative error {err:.2e})"

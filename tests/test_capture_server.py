@@ -135,6 +135,7 @@ def assert_matches_reference(capturing: CapturingServer, tensors: dict, what: st
         tensors["final_hidden_states"],
         **TOLERANCE[case.dtype],
         what=what,
+        prenorm=tensors["prenorm_hidden_states"],
     )
 
 
@@ -150,7 +151,10 @@ def test_batched_dumps_match_hf_reference_per_prompt(capturing: CapturingServer)
         tensors, meta = read_dump(wait_for_dump(response.dump_path))
         assert meta["rid"] == response.rid and meta["index"] == response.dump_index
         assert meta["layer_ids"] == capturing.case.expected_layer_ids
-        assert meta["final_state"] == "post_norm" and meta["dtype"] == capturing.case.dtype
+        assert (
+            meta["final_states"] == ["post_norm", "pre_norm"]
+            and meta["dtype"] == capturing.case.dtype
+        )
         assert tensors["input_ids"].tolist() == ids
         assert tensors["positions"].tolist() == list(range(len(ids)))
         aux = tensors["aux_hidden_states"]

@@ -79,7 +79,7 @@ def test_every_visible_sample_round_trips_bit_for_bit_and_nothing_else_is_export
     doc = json.loads((out / "export.json").read_text())
     names = plan()[0]
     assert doc["exported"] == [[i, names[i]] for i in visible] and doc["format"] == fmt
-    assert doc["manifest"]["layer_ids"] == [2, 4, 5] and doc["final_state"] == "post_norm"
+    assert doc["manifest"]["layer_ids"] == [2, 4, 5] and doc["final_states"] == ["post_norm"]
     ds = HiddenStatesDataset(url)
     for k, i in enumerate(visible):
         want = ds[k]

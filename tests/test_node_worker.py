@@ -110,6 +110,7 @@ def assert_store_matches_reference(store: Store, model_path: Path, shards: list[
             ids = g["input_ids"][rows].tolist()
             aux = torch.from_numpy(np.asarray(g["aux_hidden_states"][rows]))
             final = torch.from_numpy(np.asarray(g["final_hidden_states"][rows]))
+            prenorm = torch.from_numpy(np.asarray(g["prenorm_hidden_states"][rows]))
             assert_matches(
                 model_path,
                 ids,
@@ -118,6 +119,7 @@ def assert_store_matches_reference(store: Store, model_path: Path, shards: list[
                 final,
                 **TOLERANCE[DTYPE],
                 what=f"sample {i}",
+                prenorm=prenorm,
             )
         assert (g["sample_status"][shard.sample_begin : shard.sample_end] == 1).all()
 

@@ -26,7 +26,7 @@ from store.export import FORMATS, export
 from store.format import Store
 from store.location import SinglePutObjectStore, StoreAccessError, open_location
 from store.object_rows import _ChunkSource
-from store.reader import TOKEN_ARRAYS, HiddenStatesDataset, HiddenStatesIterable
+from store.reader import HiddenStatesDataset, HiddenStatesIterable, token_arrays
 from store.verify import verify_store
 from tests.test_cluster_job import job_config, write_prompts
 from tests.test_export import assert_same, exported_files
@@ -305,4 +305,6 @@ def test_remote_chunks_are_fetched_once_each_ahead_of_the_consumer_within_the_bu
     rows = (store.sample_rows(plan()[0].index(s["sample_id"])) for s in samples)
     c = store.manifest.chunk_tokens
     touched = {k for r in rows for k in range(r.start // c, -(-r.stop // c))}
-    assert sorted(fetched) == sorted((name, k) for name in TOKEN_ARRAYS for k in touched)
+    assert sorted(fetched) == sorted(
+        (name, k) for name in token_arrays(store.manifest) for k in touched
+    )

@@ -17,7 +17,7 @@ from store.buffers import RecycledBuffers
 from store.file_rows import FileRows
 from store.format import Store, StoreFormatError
 from store.read_ahead import Block
-from store.reader import TOKEN_ARRAYS, HiddenStatesDataset, HiddenStatesIterable
+from store.reader import HiddenStatesDataset, HiddenStatesIterable, token_arrays
 from tests.test_store import NUM_AUX, H, as_input, new_store, plan, sample_bits, write_shard
 
 
@@ -123,7 +123,7 @@ def test_file_reads_equal_zarr_reads_in_any_blocks_missing_chunks_included(
 ) -> None:
     store, _ = partly_written_store(tmp_path / "s.zarr", codec=codec)
     (tmp_path / "s.zarr" / "aux_hidden_states" / "c" / "1" / "0" / "0").unlink()
-    arrays = {name: store.group[name] for name in TOKEN_ARRAYS}
+    arrays = {name: store.group[name] for name in token_arrays(store.manifest)}
     total = arrays["aux_hidden_states"].shape[0]
     rng = np.random.default_rng(0)
     cuts = sorted({0, total, *rng.integers(1, total, 12).tolist()})

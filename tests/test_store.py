@@ -46,7 +46,7 @@ def manifest(dtype: str = "bfloat16", codec: dict | None = None) -> Manifest:
         chat_template_hash=None,
         layer_ids=[2, 4, 5],
         layer_convention="HF hidden_states[layer_ids[j]]",
-        final_state="post_norm",
+        final_states=["post_norm"],  # aux + one final array: the writer tests' rows
         hidden_size=H,
         num_aux=NUM_AUX,
         dtype=dtype,
@@ -192,8 +192,10 @@ def test_wrong_length_is_refused_naming_the_sample(tmp_path: Path) -> None:
     aux, final = sample_bits(2)
     with pytest.raises(ValueError, match=r"sample 2 \(s2-é\).*expected 13 rows"):
         writer.write_sample(2, as_input(aux[:-1], 0), as_input(final[:-1], 0))
-    with pytest.raises(ValueError, match=r"sample 2 \(s2-é\) final: dtype float32"):
+    with pytest.raises(ValueError, match=r"sample 2 \(s2-é\) final_hidden_states: dtype float32"):
         writer.write_sample(2, as_input(aux, 0), final.astype(np.float32))
+    with pytest.raises(ValueError, match=r"sample 2 \(s2-é\): got 3 hidden arrays, the store"):
+        writer.write_sample(2, as_input(aux, 0), as_input(final, 0), as_input(final, 0))
     with pytest.raises(ValueError, match="not written"):
         writer.commit({})
     writer.abort()
@@ -435,7 +437,6 @@ def test_make_manifest_hashes_the_model_and_picks_the_chunking(tmp_path: Path) -
     meta = {  # as in a dump's meta.json
         "layer_ids": [2, 30, 58],
         "layer_convention": "HF hidden_states[layer_ids[j]]",
-        "final_state": "post_norm",
         "hidden_size": 7168,
         "num_aux": 3,
         "dtype": "bfloat16",
@@ -444,3 +445,18 @@ def test_make_manifest_hashes_the_model_and_picks_the_chunking(tmp_path: Path) -
     assert m.model_config_hash == m.tokenizer_hash != "" and m.chat_template_hash is None
     assert m.codec == {"name": "none"} and m.chunk_tokens == 1024  # ~32 MB of aux rows
     assert Manifest.from_json(m.to_json()) == m
+    assert m.final_states == ["post_norm", "pre_norm"]
+    assert m.hidden_arrays == ("aux_hidden_states", "final_hidden_states", "prenorm_hidden_states")
+
+
+def test_a_schema_4_manifest_reads_as_post_norm_only_and_writes_back_unchanged() -> None:
+    old = {**manifest().to_json(), "schema_version": 4, "final_state": "post_norm"}
+    del old["final_states"]
+    m = Manifest.from_json(old)
+    assert m.final_states == ["post_norm"]
+    assert m.hidden_arrays == ("aux_hidden_states", "final_hidden_states")
+    assert m.to_json() == old  # compared with stored copies (resume, export): as kept
+    with pytest.raises(StoreFormatError, match=r"unknown \['final_states'\]"):
+        Manifest.from_json({**old, "final_states": ["post_norm"]})
+    with pytest.raises(ValueError, match="final_states must be"):
+        Manifest.from_json({**manifest().to_json(), "final_states": ["pre_norm"]})

@@ -165,10 +165,10 @@ def captured_store(model: Path, url: Path, dtype: str, server: VerifyServer) -> 
     store = create_store(url, manifest, names, ids, [np.ones(len(x), np.uint8) for x in ids])
     running, _ = server.get(store)
 
-    def capture_one(i: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def capture_one(i: int) -> tuple[torch.Tensor, ...]:
         response = generate_and_capture(running, f"hsx-test-{i}", input_ids=ids[i].tolist())
         tensors, _ = read_dump(wait_for_dump(response.dump_path))
-        rows = tensors["aux_hidden_states"].clone(), tensors["final_hidden_states"].clone()
+        rows = tuple(tensors[name].clone() for name in manifest.hidden_arrays)
         release_dump(response.dump_path)
         return rows
 
