@@ -1,12 +1,14 @@
-"""`python -m cluster verify --store URL [--model PATH --recompute N]`: the store's own checks
-(store/verify.py) plus the one that needs the model, which starts a server so lives here.
+"""`python -m cluster verify --store URL [--model PATH --recompute N --logprobs N]`: the store's
+own checks (store/verify.py) plus the two that need the model, which start a server so live here:
+the recompute (below) and the logprob check (cluster/verify_logprobs.py).
 
 The recompute check: a random sample of stored rows against a fresh capture.
 
-One patched SGLang server is started on the model (its config and tokenizer must hash as the
-store's manifest says), calibrated like a worker's, and asked for the stored input ids of each
-chosen sample; the dump is compared with the stored rows by cosine and relative RMS error
-(batching differs from the job's, so bit equality is not expected), within `TOLERANCE`.
+One patched SGLang server (cluster/verify_server.py, shared with the logprob check) is started
+on the model (its config and tokenizer must hash as the store's manifest says), calibrated like
+a worker's, and asked for the stored input ids of each chosen sample; the dump is compared with
+the stored rows by cosine and relative RMS error (batching differs from the job's, so bit
+equality is not expected), within `TOLERANCE`.
 """
 
 from __future__ import annotations
@@ -14,17 +16,18 @@ from __future__ import annotations
 import argparse
 import contextlib
 import functools
-import shutil
 import sys
 import tempfile
 import uuid
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from cluster.verify_logprobs import check_logprobs
+from cluster.verify_server import VerifyServer
 from store.format import STATUS_WRITTEN, Store
 from store.fp8 import FP8_DTYPE, dequantize, scale_name
 from store.model_identity import model_mismatches
@@ -84,8 +87,7 @@ class _Recompute:
     store: Store
     report: VerifyReport
     model_path: Path
-    dump_root: Path
-    server_args: list[str]
+    server: VerifyServer
     say: Callable[[str], None]
 
     def model_matches(self) -> bool:
@@ -94,64 +96,21 @@ class _Recompute:
             self.report.error("recompute", f"{problem}: not the model that made the store")
         return not problems
 
-    @contextlib.contextmanager
-    def server(self, longest: int) -> Iterator[tuple[Any, Path]]:
-        import torch
-
-        from actors.calibration import PROBE_TEXT, calibrate
-        from actors.sglang_server import ServerSpec, SGLangServer
-        from patches.settings import CaptureSettings
-        from store.layers import model_config, requested_layer_ids
-
-        m = self.store.manifest
-        on_gpu = torch.cuda.is_available()
-        args = list(self.server_args)
-        if not any(a == "--dtype" or a.startswith("--dtype=") for a in args):
-            args += ["--dtype", m.served_dtype]
-        work = Path(tempfile.mkdtemp(prefix="hsx-verify-", dir=self.dump_root))
-        spec = ServerSpec(
-            model_path=self.model_path,
-            capture=CaptureSettings(
-                work / "dumps", "hsx-", 2 << 30, mla_cpu_fix=True, max_tokens=m.max_length
-            ),
-            aux_layer_ids=requested_layer_ids(model_config(self.model_path), m.layer_ids),
-            tp_size=torch.cuda.device_count() if on_gpu else 1,
-            max_total_tokens=None if on_gpu else max(8192, longest + 64),
-            extra_args=args,
-        )
-        server = SGLangServer(spec, work / "server.log")
-        try:
-            self.say(f"recompute: starting SGLang on {self.model_path} ({' '.join(args)})")
-            server.start(timeout=900)
-            probe = self.tokenizer()(PROBE_TEXT)["input_ids"]
-            calibrate(server, m, probe, "hsx-")  # same fields as a worker
-            yield server, work / "dumps"
-        finally:
-            server.stop()
-            shutil.rmtree(work, ignore_errors=True)
-
-    def tokenizer(self) -> Any:
-        from transformers import AutoTokenizer
-
-        trust = "--trust-remote-code" in self.server_args
-        return AutoTokenizer.from_pretrained(self.model_path, trust_remote_code=trust)
-
     def run(self, samples: list[int]) -> None:
-        longest = max(int(self.store.sample_length[i]) for i in samples)
         results: list[dict[str, Any]] = []
         self.report.checked["recomputed"] = results
-        with self.server(longest) as (server, _):
-            for i in samples:
-                try:
-                    results.append(self.one(server, i))
-                except Exception as exc:
-                    self.report.error(
-                        "recompute",
-                        f"sample {self.label(i)}: recompute failed: {type(exc).__name__}: {exc}",
-                    )
-                    if not server.alive():
-                        self.report.error("recompute", "the SGLang server died; stopping")
-                        break
+        server, _ = self.server.get(self.store)
+        for i in samples:
+            try:
+                results.append(self.one(server, i))
+            except Exception as exc:
+                self.report.error(
+                    "recompute",
+                    f"sample {self.label(i)}: recompute failed: {type(exc).__name__}: {exc}",
+                )
+                if not server.alive():
+                    self.report.error("recompute", "the SGLang server died; stopping")
+                    break
 
     def label(self, i: int) -> str:
         return f"{i} ({self.store.group['sample_id'][i]})"
@@ -200,23 +159,19 @@ def check_recompute(
     store: Store,
     report: VerifyReport,
     *,
-    model_path: str | None,
+    server: VerifyServer | None,
     count: int,
     seed: int,
-    dump_root: str | None,
-    server_args: Sequence[str],
     say: Callable[[str], None],
 ) -> str | None:
-    if count <= 0 or model_path is None:
+    if count <= 0 or server is None:
         return "no --model / --recompute"
     if report.checks.get("commits") != "ran":
         return "the commit check did not run"
     samples = recompute_choice(store, count, seed)
     if not samples:
         return "no written sample to recompute"
-    shm = Path("/dev/shm")
-    root = Path(dump_root) if dump_root else shm if shm.is_dir() else Path(tempfile.gettempdir())
-    job = _Recompute(store, report, Path(model_path), root, list(server_args), say)
+    job = _Recompute(store, report, server.model_path, server, say)
     if not job.model_matches():
         return None
     say(f"recompute: samples {samples} (seed {seed})")
@@ -232,25 +187,34 @@ def verify(
     *,
     model_path: str | None = None,
     recompute: int = 0,
+    logprobs: int = 0,
     seed: int = 0,
     dump_root: str | None = None,
     server_args: Sequence[str] = (),
     storage_options: Mapping[str, Any] | None = None,
     say: Callable[[str], None] = print,
 ) -> VerifyReport:
-    """Every check of `store.verify`, and with a model the recompute of `recompute` samples."""
-    if recompute > 0 and model_path is None:
-        raise ValueError("recompute needs model_path (--model)")
-    check = functools.partial(
-        check_recompute,
-        model_path=model_path,
-        count=recompute,
-        seed=seed,
-        dump_root=dump_root,
-        server_args=server_args,
-        say=say,
-    )
-    return verify_store(url, recompute=check, storage_options=storage_options, say=say)
+    """Every check of `store.verify`, and with a model the recompute of `recompute` samples and
+    the logprob check of `logprobs` samples (one server for both)."""
+    if (recompute > 0 or logprobs > 0) and model_path is None:
+        raise ValueError("recompute and logprobs need model_path (--model)")
+    with contextlib.ExitStack() as stack:
+        server = None
+        if model_path is not None:
+            shm = Path("/dev/shm")
+            default_root = shm if shm.is_dir() else Path(tempfile.gettempdir())
+            root = Path(dump_root) if dump_root else default_root
+            server = stack.enter_context(
+                VerifyServer(Path(model_path), root, list(server_args), say)
+            )
+        checks = dict(server=server, seed=seed, say=say)
+        return verify_store(
+            url,
+            recompute=functools.partial(check_recompute, count=recompute, **checks),
+            logprobs=functools.partial(check_logprobs, count=logprobs, **checks),
+            storage_options=storage_options,
+            say=say,
+        )
 
 
 # -- command line ------------------------------------------------------------------------------
@@ -259,11 +223,18 @@ def verify(
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m cluster verify", description=__doc__)
     parser.add_argument("--store", required=True, help="the store's path or URL")
-    parser.add_argument("--model", help="the model directory (for --recompute)")
+    parser.add_argument("--model", help="the model directory (for --recompute, --logprobs)")
     parser.add_argument(
         "--recompute", type=int, default=0, metavar="N", help="recompute N random written samples"
     )
-    parser.add_argument("--seed", type=int, default=0, help="picks the recomputed samples")
+    parser.add_argument(
+        "--logprobs",
+        type=int,
+        default=0,
+        metavar="N",
+        help="check the final states of N random written samples against the server's logprobs",
+    )
+    parser.add_argument("--seed", type=int, default=0, help="picks the checked samples")
     parser.add_argument("--dump-root", help="where the server's dumps go (default /dev/shm)")
     parser.add_argument(
         "--server-arg",
@@ -275,13 +246,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         "(--dtype defaults to the store's)",
     )
     args = parser.parse_args(sys.argv[1:] if argv is None else list(argv))
-    if args.recompute > 0 and not args.model:
-        print("error: --recompute needs --model", file=sys.stderr)
+    if (args.recompute > 0 or args.logprobs > 0) and not args.model:
+        print("error: --recompute and --logprobs need --model", file=sys.stderr)
         return 2
     report = verify(
         args.store,
         model_path=args.model,
         recompute=args.recompute,
+        logprobs=args.logprobs,
         seed=args.seed,
         dump_root=args.dump_root,
         server_args=args.server_args,

@@ -31,6 +31,9 @@ each reported OK / FAIL / SKIP by name:
 - recompute: with a model and N > 0, N seeded random written samples are prefilled again on one
              patched SGLang server and compared with the stored rows (cosine and relative RMS
              error; bit-exact is not expected, batching differs).
+- logprobs:  with a model and N > 0, N seeded random written samples: the logprobs the server
+             gives their prompts against log_softmax(stored final state @ the model's lm_head)
+             (top-1 agreement, max / mean error; cluster/verify_logprobs.py).
 
 Exit status (`VerifyReport.exit_code`): 0 no errors, 1 errors, 2 the store cannot be read.
 """
@@ -69,7 +72,17 @@ from store.format import (
 from store.fp8 import FP8_DTYPE, scale_name
 from store.location import StoreAccessError, describe_failure
 
-CHECKS = ("manifest", "arrays", "layout", "commits", "plan", "chunks", "values", "recompute")
+CHECKS = (
+    "manifest",
+    "arrays",
+    "layout",
+    "commits",
+    "plan",
+    "chunks",
+    "values",
+    "recompute",
+    "logprobs",
+)
 BLOCK_BYTES = 128 << 20  # rows of one hidden array read at once by the values check
 MANIFEST_TYPES: dict[str, tuple[type, ...]] = {
     "schema_version": (int,),
@@ -141,6 +154,10 @@ class VerifyReport:
         if recomputed:
             lines.append(f"recomputed samples ({len(recomputed)}):")
             lines += [f"  {describe_recompute(r)}" for r in recomputed]
+        logprobs = self.checked.get("logprobs") or []
+        if logprobs:
+            lines.append(f"logprob samples ({len(logprobs)}):")
+            lines += [f"  {describe_logprobs(r)}" for r in logprobs]
         errors = sum(f.level == "error" for f in self.findings)
         warnings = len(self.findings) - errors
         verdict = "UNREADABLE" if self.unreadable else "OK" if self.ok else "FAIL"
@@ -173,6 +190,18 @@ def describe_recompute(result: dict[str, Any]) -> str:
     ]
     verdict = "ok" if result["ok"] else "FAIL"
     return f"sample {result['sample']} ({result['sample_id']}): {', '.join(parts)}: {verdict}"
+
+
+def describe_logprobs(result: dict[str, Any]) -> str:
+    """One sample of the logprob check: top-1 agreement (exact, and near-ties counted as
+    agreeing), mean and max absolute error (nats)."""
+    verdict = "ok" if result["ok"] else "FAIL"
+    return (
+        f"sample {result['sample']} ({result['sample_id']}): {result['tokens']} tokens, top-1 "
+        f"{result['top1_agreement']:.1%} ({result['top1_agreement_ties']:.1%} with near-ties), "
+        f"mean |error| {result['mean_error']:.2e}, max "
+        f"{result['max_error']:.2e} at token {result['worst_token']}: {verdict}"
+    )
 
 
 def _sample_name(ids: np.ndarray, i: int) -> str:
@@ -743,12 +772,13 @@ def verify_store(
     url: str | Path,
     *,
     recompute: RecomputeCheck | None = None,
+    logprobs: RecomputeCheck | None = None,
     storage_options: Mapping[str, Any] | None = None,
     say: Callable[[str], None] = print,
 ) -> VerifyReport:
     """Run every check on the store at `url` (read only); see the module docstring.
-    `recompute` is the check that needs the model (cluster/verify.py passes one); it returns a
-    skip reason or None, like the others."""
+    `recompute` and `logprobs` are the checks that need the model (cluster/verify.py passes
+    them); each returns a skip reason or None, like the others."""
     started = time.monotonic()
     report = VerifyReport(url=str(url))
     store = open_store(url, report, storage_options)
@@ -768,5 +798,6 @@ def verify_store(
     v.run(
         "recompute", lambda: recompute(store, report) if recompute else "no --model / --recompute"
     )
+    v.run("logprobs", lambda: logprobs(store, report) if logprobs else "no --model / --logprobs")
     report.checked["seconds"] = round(time.monotonic() - started, 2)
     return report

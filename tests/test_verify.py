@@ -94,7 +94,11 @@ def test_a_good_store_passes_every_check(tmp_path: Path, dtype: str, capsys) -> 
     report = verify(path)
 
     assert report.ok and not report.findings
-    assert check_lines(report) == {**dict.fromkeys(CHECKS[:-1], "OK"), "recompute": "SKIP"}
+    skipped = ("recompute", "logprobs")
+    assert check_lines(report) == {
+        **dict.fromkeys(CHECKS[:-2], "OK"),
+        **dict.fromkeys(skipped, "SKIP"),
+    }
     c = report.checked
     assert (c["samples"], c["shards"], c["committed_shards"]) == (11, 3, 3)
     assert (c["samples_written"], c["samples_failed"], c["samples_not_committed"]) == (10, 1, 0)
@@ -380,11 +384,14 @@ def test_recompute_passes_on_a_real_job_and_names_a_sample_whose_rows_were_chang
 ) -> None:
     url = run_real_job(deepseek_path, tmp_path)
     ray.shutdown()  # the verifier needs no Ray
-    kw = dict(model_path=str(deepseek_path), recompute=3, dump_root=str(tmp_path))
-    report = verify(url, server_args=["--dtype", "float32"], **kw)
+    kw = dict(model_path=str(deepseek_path), recompute=3, logprobs=3, dump_root=str(tmp_path))
+    said: list[str] = []
+    report = verify_command(url, server_args=["--dtype", "float32"], say=said.append, **kw)
     assert report.ok, report.format()
     assert check_lines(report) == dict.fromkeys(CHECKS, "OK")
     assert [r["ok"] for r in report.checked["recomputed"]] == [True] * 3
+    assert [r["ok"] for r in report.checked["logprobs"]] == [True] * 3
+    assert sum("starting SGLang" in line for line in said) == 1, "one server for both checks"
 
     # Plausible values, but not what the model computes: final rows scaled by 1.5.
     store = Store.open(url, mode="r+")
@@ -395,7 +402,9 @@ def test_recompute_passes_on_a_real_job_and_names_a_sample_whose_rows_were_chang
     report = verify(url, **kw)  # --dtype now from the store's manifest
 
     name = f"sample {victim} (t{victim}): final_hidden_states differs from a fresh recompute"
-    assert [m.split(": min cosine")[0] for m in errors(report)] == [name], report.format()
-    assert "relative RMS error 50.0" in errors(report)[0]
+    assert [m.split(": min cosine")[0] for m in errors(report, "recompute")] == [name]
+    assert "relative RMS error 50.0" in errors(report, "recompute")[0]
     assert [r["ok"] for r in report.checked["recomputed"]].count(False) == 1
+    logprobs = f"sample {victim} (t{victim}): stored final states do not give the server's"
+    assert [m.split(" logprobs:")[0] for m in errors(report, "logprobs")] == [logprobs]
     assert not list(tmp_path.glob("hsx-verify-*")), "the verifier leaves no dumps behind"
