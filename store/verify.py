@@ -160,12 +160,20 @@ class VerifyReport:
 
 
 def describe_recompute(result: dict[str, Any]) -> str:
-    """One recomputed sample: per hidden array, its min cosine and relative RMS error."""
-    parts = [
-        f"{name.split('_')[0]} cos {result[name]['min_cosine']:.6f} "
-        f"err {result[name]['relative_error']:.3%}"
-        for name in HIDDEN_ARRAYS
-    ]
+    """One recomputed sample: per hidden array, the stored rows' distance from the nearer fresh
+    recompute, the noise (alone vs batched recompute), the bound, and the distance from the
+    recompute of the nearest other sample (largest per-row relative RMS each)."""
+    parts = []
+    for name, f in result["arrays"].items():
+        other = (
+            f" sample {f['nearest_other']}'s {f['other_distance']:.2%}"
+            if "nearest_other" in f
+            else ""
+        )
+        parts.append(
+            f"{name.split('_')[0]} {f['distance']:.3%} (noise {f['noise']:.3%}, bound "
+            f"{f['bound']:.3%}){other}"
+        )
     verdict = "ok" if result["ok"] else "FAIL"
     return f"sample {result['sample']} ({result['sample_id']}): {', '.join(parts)}: {verdict}"
 
