@@ -47,7 +47,7 @@ import numpy as np
 
 from store.format import HIDDEN_ARRAYS, STATUS_WRITTEN, Store
 from store.model_identity import model_mismatches
-from store.verify import VerifyReport, describe_recompute, verify_store
+from store.verify import VerifyReport, describe_recompute, relative, verify_store
 
 if TYPE_CHECKING:  # torch is imported where a recompute needs it: plain checks go without
     import torch
@@ -279,9 +279,9 @@ class _Recompute:
                 self.report.error(
                     "recompute",
                     f"sample {self.label(i)}: {name} differs from a fresh recompute by "
-                    f"{distance:.3%} (largest per-row relative RMS, token {token}); alone vs "
-                    f"batched recompute {noise:.3%}; bound {bound:.3%} = {NOISE_MULTIPLE:g} x "
-                    f"max(that, floor {floor:.0e})",
+                    f"{relative(distance)} (largest per-row relative RMS, token {token}); alone "
+                    f"vs batched recompute {relative(noise)}; bound {relative(bound)} = "
+                    f"{NOISE_MULTIPLE:g} x max(that, floor {floor:.0e})",
                 )
         sample_id = str(self.store.group["sample_id"][i])
         return {"sample": i, "sample_id": sample_id, "arrays": figures, "ok": ok}
@@ -313,8 +313,8 @@ class _Recompute:
                     self.report.error(
                         "recompute",
                         f"sample {self.label(i)}: {name} tokens {rows.start}..{rows.stop - 1} are "
-                        f"{far:.3%} from sample {self.label(j)}'s recompute, not "
-                        f"{CROSS_MARGIN:g} x further than from its own ({near:.3%})",
+                        f"{relative(far)} from sample {self.label(j)}'s recompute, not "
+                        f"{CROSS_MARGIN:g} x further than from its own ({relative(near)})",
                     )
 
 

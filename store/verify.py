@@ -159,6 +159,11 @@ class VerifyReport:
         return "FAIL" if failed else "OK"
 
 
+def relative(x: float) -> str:
+    """A relative figure: percent, or scientific below 0.1% (float32 bounds are ~1e-5)."""
+    return f"{x:.3%}" if not x < 1e-3 else f"{x:.2e}"
+
+
 def describe_recompute(result: dict[str, Any]) -> str:
     """One recomputed sample: per hidden array, the stored rows' distance from the nearer fresh
     recompute, the noise (alone vs batched recompute), the bound, and the distance from the
@@ -166,13 +171,13 @@ def describe_recompute(result: dict[str, Any]) -> str:
     parts = []
     for name, f in result["arrays"].items():
         other = (
-            f" sample {f['nearest_other']}'s {f['other_distance']:.2%}"
+            f" sample {f['nearest_other']}'s {relative(f['other_distance'])}"
             if "nearest_other" in f
             else ""
         )
         parts.append(
-            f"{name.split('_')[0]} {f['distance']:.3%} (noise {f['noise']:.3%}, bound "
-            f"{f['bound']:.3%}){other}"
+            f"{name.split('_')[0]} {relative(f['distance'])} (noise {relative(f['noise'])}, "
+            f"bound {relative(f['bound'])}){other}"
         )
     verdict = "ok" if result["ok"] else "FAIL"
     return f"sample {result['sample']} ({result['sample_id']}): {', '.join(parts)}: {verdict}"
