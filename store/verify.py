@@ -53,7 +53,6 @@ import zarr
 from zarr.core.sync import sync
 
 from store.format import (
-    HIDDEN_ARRAYS,
     PER_SAMPLE_BLOCK,
     PER_SHARD_BLOCK,
     READABLE_SCHEMA_VERSIONS,
@@ -180,14 +179,26 @@ class VerifyReport:
         return "FAIL" if failed else "OK"
 
 
+def relative(x: float) -> str:
+    """A relative figure: percent, or scientific below 0.1% (float32 bounds are ~1e-5)."""
+    return f"{x:.3%}" if not x < 1e-3 else f"{x:.2e}"
+
+
 def describe_recompute(result: dict[str, Any]) -> str:
-    """One recomputed sample: per hidden array, its min cosine and relative RMS error."""
-    parts = [
-        f"{name.split('_')[0]} cos {result[name]['min_cosine']:.6f} "
-        f"err {result[name]['relative_error']:.3%}"
-        for name in HIDDEN_ARRAYS
-        if name in result
-    ]
+    """One recomputed sample: per hidden array, the stored rows' distance from the nearer fresh
+    recompute, the noise (alone vs batched recompute), the bound, and the distance from the
+    recompute of the nearest other sample (largest per-row relative RMS each)."""
+    parts = []
+    for name, f in result["arrays"].items():
+        other = (
+            f" sample {f['nearest_other']}'s {relative(f['other_distance'])}"
+            if "nearest_other" in f
+            else ""
+        )
+        parts.append(
+            f"{name.split('_')[0]} {relative(f['distance'])} (noise {relative(f['noise'])}, "
+            f"bound {relative(f['bound'])}){other}"
+        )
     verdict = "ok" if result["ok"] else "FAIL"
     return f"sample {result['sample']} ({result['sample_id']}): {', '.join(parts)}: {verdict}"
 

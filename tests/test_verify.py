@@ -4,6 +4,7 @@ job whose rows are recomputed on a fresh SGLang server (slow)."""
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -353,7 +354,14 @@ def local_ray() -> Iterator[None]:
         yield
 
 
-def run_real_job(model: Path, tmp_path: Path) -> Path:
+def run_real_job(
+    model: Path,
+    tmp_path: Path,
+    *,
+    dtype: str = "float32",
+    layer_ids: tuple[int, ...] = (0, 1, 3),
+    server_args: tuple[str, ...] = (),
+) -> Path:
     data = tmp_path / "prompts.jsonl"
     lines = [
         {"id": f"t{i}", "text": " ".join(WORDS[(i * 5 + k) % len(WORDS)] for k in range(3 + i * 4))}
@@ -361,10 +369,14 @@ def run_real_job(model: Path, tmp_path: Path) -> Path:
     ]
     data.write_text("".join(json.dumps(r) + "\n" for r in lines))
     config = {
-        "model": {"path": str(model), "dtype": "float32", "aux_layer_ids": [0, 1, 3]},
+        "model": {"path": str(model), "dtype": dtype, "aux_layer_ids": list(layer_ids)},
         "data": {"paths": [str(data)], "max_length": 256},
         "store": {"url": str(tmp_path / "s.zarr"), "samples_per_shard": 4, "chunk_tokens": 64},
-        "server": {"max_total_tokens": 8192, "start_timeout_s": 300},
+        "server": {
+            "max_total_tokens": 8192,
+            "start_timeout_s": 300,
+            "extra_args": list(server_args),
+        },
         "worker": {
             "inflight": 4,
             "heartbeat_s": 0.5,
@@ -378,8 +390,12 @@ def run_real_job(model: Path, tmp_path: Path) -> Path:
     return tmp_path / "s.zarr"
 
 
+def failing_samples(report: VerifyReport) -> set[int]:
+    return {int(m.split()[1]) for m in errors(report, "recompute")}
+
+
 @pytest.mark.slow
-def test_recompute_passes_on_a_real_job_and_names_a_sample_whose_rows_were_changed(
+def test_recompute_passes_on_a_real_float32_job(
     local_ray: None, deepseek_path: Path, tmp_path: Path
 ) -> None:
     url = run_real_job(deepseek_path, tmp_path)
@@ -401,10 +417,98 @@ def test_recompute_passes_on_a_real_job_and_names_a_sample_whose_rows_were_chang
     final[rows] = np.asarray(final[rows]) * 1.5
     report = verify(url, **kw)  # --dtype now from the store's manifest
 
-    name = f"sample {victim} (t{victim}): final_hidden_states differs from a fresh recompute"
-    assert [m.split(": min cosine")[0] for m in errors(report, "recompute")] == [name]
-    assert "relative RMS error 50.0" in errors(report, "recompute")[0]
+    name = f"sample {victim} (t{victim}): final_hidden_states"
+    messages = errors(report, "recompute")
+    assert messages and all(m.startswith(name) for m in messages), messages
+    assert any(
+        re.match(rf"{re.escape(name)} differs from a fresh recompute by 50\.0", m) for m in messages
+    )
     assert [r["ok"] for r in report.checked["recomputed"]].count(False) == 1
     logprobs = f"sample {victim} (t{victim}): stored final states do not give the server's"
     assert [m.split(" logprobs:")[0] for m in errors(report, "logprobs")] == [logprobs]
+    assert not list(tmp_path.glob("hsx-verify-*")), "the verifier leaves no dumps behind"
+
+
+# Llama in bf16 on CPU is batch-invariant (alone and batched recomputes bit-identical) until
+# chunked prefill splits prompts: a batch then moves each prompt's chunk boundaries, and bf16
+# rows differ by ~1% (the job's batches of 4 as well as the verifier's).
+CHUNKED_PREFILL = ("--chunked-prefill-size", "16")
+
+
+def swap_rows(store: Store, a: int, b: int) -> None:
+    """Samples a's and b's rows exchanged in every hidden array (as many as the shorter has)."""
+    n = int(min(store.sample_length[a], store.sample_length[b]))
+    at_a, at_b = (slice(int(store.sample_start[i]), int(store.sample_start[i]) + n) for i in (a, b))
+    for name in store.manifest.hidden_arrays:
+        array = store.group[name]
+        rows_a, rows_b = np.asarray(array[at_a]), np.asarray(array[at_b])
+        array[at_a], array[at_b] = rows_b, rows_a
+
+
+def shift_rows(store: Store, i: int) -> None:
+    """Sample i's rows one token off in every hidden array: row t holds token t + 1's state
+    (the last one the next sample's first)."""
+    rows = store.sample_rows(i)
+    for name in store.manifest.hidden_arrays:
+        array = store.group[name]
+        array[rows] = np.asarray(array[rows.start + 1 : rows.stop + 1])
+
+
+@pytest.mark.slow
+def test_recompute_calibrates_to_bf16_batch_noise_and_names_wrong_samples(
+    local_ray: None, llama_path: Path, tmp_path: Path
+) -> None:
+    url = run_real_job(
+        llama_path, tmp_path, dtype="bfloat16", layer_ids=(2, 4, 5), server_args=CHUNKED_PREFILL
+    )
+    ray.shutdown()
+    kw = dict(
+        model_path=str(llama_path),
+        recompute=8,
+        dump_root=str(tmp_path),
+        server_args=list(CHUNKED_PREFILL),
+    )
+    report = verify(url, **kw)
+    assert report.ok, report.format()
+    results = report.checked["recomputed"]
+    assert len(results) == 8 and all(r["ok"] for r in results)
+    figures = [f for r in results for f in r["arrays"].values()]
+    # The batched recompute really differed from the lone one: the noise is measured, not assumed.
+    assert max(f["noise"] for f in figures) > 1e-3
+    # The job's rows differ from both recomputes (its batches were others), within the bound.
+    assert max(f["distance"] for f in figures) > 1e-3
+    assert min(f["other_distance"] for f in figures) > 0.3
+
+    store = Store.open(url, mode="r+")
+    a, b, shifted, scaled = 1, 6, 2, 5  # 2's next row is 3's first (3 ends a shard)
+    swap_rows(store, a, b)
+    shift_rows(store, shifted)
+    final, rows = store.group["final_hidden_states"], store.sample_rows(scaled)
+    scaled_rows = np.asarray(final[rows]).view(ml_dtypes.bfloat16).astype(np.float32) * 1.5
+    final[rows] = scaled_rows.astype(ml_dtypes.bfloat16).view(np.uint16)
+    report = verify(url, **kw)
+
+    assert failing_samples(report) == {a, b, shifted, scaled}, report.format()
+    messages = errors(report, "recompute")
+    for i in (a, b, shifted):
+        for name in store.manifest.hidden_arrays:
+            assert any(m.startswith(f"sample {i} (t{i}): {name} differs") for m in messages)
+    [scaled_error] = [
+        m
+        for m in messages
+        if m.startswith(f"sample {scaled} (t{scaled}): final_hidden_states differs")
+    ]
+    # 1.5 x the rows is 50% off (bf16 rounding of the product aside), named with noise and bound.
+    assert re.search(
+        r"by (49|50)\.\d+% \(largest per-row relative RMS, token \d+\); alone vs batched "
+        r"recompute \d\.\d+%; bound \d\.\d+% = 4 x max",
+        scaled_error,
+    ), scaled_error
+    for i, j in ((a, b), (b, a)):  # and each is nearest to the other's recompute
+        for name in store.manifest.hidden_arrays:
+            assert any(
+                m.startswith(f"sample {i} (t{i}): {name} tokens 0..")
+                and f"from sample {j} (t{j})'s recompute" in m
+                for m in messages
+            ), messages
     assert not list(tmp_path.glob("hsx-verify-*")), "the verifier leaves no dumps behind"
