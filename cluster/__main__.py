@@ -5,7 +5,7 @@ python -m cluster run --config JOB.yaml [--set section.field=value ...]
     written, 1: some failed or not committed, 2: a bad config or a store of another job
 python -m cluster verify --store URL [--model PATH --recompute N --logprobs N]
     check a store's integrity (cluster/verify.py); exit 0 ok, 1 problems, 2 unreadable
-python -m cluster export --store URL --format {specforge,speculators} --out DIR
+python -m cluster export --store URL --format {specforge,speculators} --out DIR [--allow-post-norm]
     write the committed samples in a trainer's offline format (store/export.py)
 """
 

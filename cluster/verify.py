@@ -283,6 +283,22 @@ class _Recompute:
                     )
 
 
+def model_check_samples(
+    store: Store,
+    report: VerifyReport,
+    server: VerifyServer | None,
+    count: int,
+    seed: int,
+    flag: str,
+) -> list[int] | str:
+    """The samples a model check (--recompute, --logprobs) runs on, or why it is skipped."""
+    if count <= 0 or server is None:
+        return f"no --model / --{flag}"
+    if report.checks.get("commits") != "ran":
+        return "the commit check did not run"
+    return recompute_choice(store, count, seed) or "no written sample to check"
+
+
 def check_recompute(
     store: Store,
     report: VerifyReport,
@@ -292,13 +308,10 @@ def check_recompute(
     seed: int,
     say: Callable[[str], None],
 ) -> str | None:
-    if count <= 0 or server is None:
-        return "no --model / --recompute"
-    if report.checks.get("commits") != "ran":
-        return "the commit check did not run"
-    samples = recompute_choice(store, count, seed)
-    if not samples:
-        return "no written sample to recompute"
+    samples = model_check_samples(store, report, server, count, seed, "recompute")
+    if isinstance(samples, str):
+        return samples
+    assert server is not None
     job = _Recompute(store, report, server.model_path, server, say)
     if not job.model_matches():
         return None

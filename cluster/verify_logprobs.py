@@ -272,18 +272,15 @@ def check_logprobs(
     say: Callable[[str], None],
 ) -> str | None:
     """The check, as store.verify.verify_store runs it: a skip reason or None."""
-    from cluster.verify import recompute_choice  # cluster.verify imports this module
+    from cluster.verify import model_check_samples  # cluster.verify imports this module
 
-    if count <= 0 or server is None:
-        return "no --model / --logprobs"
-    if report.checks.get("commits") != "ran":
-        return "the commit check did not run"
+    samples = model_check_samples(store, report, server, count, seed, "logprobs")
+    if isinstance(samples, str):
+        return samples
     if store.manifest.dtype not in TOLERANCE:
         measured = " and ".join(TOLERANCE)
         return f"its bounds are measured for {measured} stores, not {store.manifest.dtype}"
-    samples = recompute_choice(store, count, seed)
-    if not samples:
-        return "no written sample to check"
+    assert server is not None
     model_path = server.model_path
     problems = [
         f"{p}: not the model that made the store"

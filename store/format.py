@@ -30,7 +30,8 @@ creates it again); one with `created` but no `planned` is resumed by planning ag
 checking the shards it holds (planning is deterministic). Schema 2-3 stores were planned whole
 before `created`.
 
-Group attributes: `manifest` (`Manifest.to_json()`), `rejected` (plan-time rejects,
+Group attributes: `manifest` (`Manifest.to_json()`), `store_id` (a uuid new at every creation:
+what an export was made from), `rejected` (plan-time rejects,
 `[{"sample_id", "reason"}]`, complete once `planned`), `job` (what the plan was made from: data
 sources and their sha256, plan options; resume compares it) and, written by the driver once a
 run ends, `report` (the final report of the latest run). bf16 has no Zarr 3.1 dtype, so hidden

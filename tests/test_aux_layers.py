@@ -6,6 +6,7 @@ transformers slot by slot, through calibration, the node worker, the reader and 
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import ml_dtypes
@@ -22,13 +23,14 @@ from cluster.config import MAX_AUX_LAYERS, ConfigError, parse_config
 from cluster.job_store import manifest_for
 from cluster.shard_queue import ShardQueueActor
 from store.export import export, read_exported, sample_path
-from store.format import SCHEMA_VERSION, Manifest, Store, create_store, make_manifest
+from store.format import Store, create_store, make_manifest
 from store.layers import expected_capture, requested_layer_ids, resolve_layer_ids
 from store.reader import HiddenStatesDataset
 from store.verify import verify_store
 from tests.hf_reference import TOLERANCE, assert_matches
 from tests.local_ray import local_ray
 from tests.test_node_worker import chat_prompts, worker_config
+from tests.test_store import manifest as store_manifest
 
 
 def job(model: Path, tmp_path: Path, aux_layer_ids: list[int] | None) -> dict:
@@ -137,21 +139,11 @@ def bits_of(i: int, num_aux: int) -> tuple[np.ndarray, np.ndarray]:
 
 
 def written_store(path: Path, num_aux: int) -> Store:
-    manifest = Manifest(
-        schema_version=SCHEMA_VERSION,
-        model="tiny",
-        model_config_hash="c" * 64,
-        tokenizer_hash="t" * 64,
-        weights_fingerprint="w" * 64,
-        chat_template_hash=None,
+    manifest = dataclasses.replace(
+        store_manifest(codec={"name": "zstd", "level": 1}),
         layer_ids=list(range(1, 2 * num_aux, 2)),
-        layer_convention="HF hidden_states[layer_ids[j]]",
-        final_states=["post_norm"],
-        hidden_size=H,
         num_aux=num_aux,
-        dtype="bfloat16",
-        max_length=64,
-        codec={"name": "zstd", "level": 1},
+        hidden_size=H,
         chunk_tokens=8,
         samples_per_shard=3,
     )
