@@ -22,6 +22,7 @@ import numpy as np
 import pytest
 import ray
 import yaml
+from ray._common.utils import get_ray_address_file
 from ray.cluster_utils import Cluster
 from transformers import AutoTokenizer
 
@@ -53,13 +54,17 @@ PAIR_NODE = "pair_node"
 
 @pytest.fixture(scope="module")
 def two_nodes() -> Iterator[Cluster]:
+    # Cluster writes the head's address to Ray's default temp dir whatever temp_dir says
+    # (ray._common.utils.get_ray_address_file), and fails where that directory was never made:
+    # on a machine that never ran Ray, /tmp/ray.
+    Path(get_ray_address_file(None)).parent.mkdir(parents=True, exist_ok=True)
     with private_temp_dir() as temp_dir:
-        head = {"num_cpus": 1, "temp_dir": temp_dir, "resources": {PAIR_NODE: 1}}
-        cluster = Cluster(initialize_head=True, head_node_args=head)
-        for _ in range(2):
-            cluster.add_node(num_cpus=1, resources={"sglang_node": 1}, temp_dir=temp_dir)
-        ray.init(address=cluster.address, log_to_driver=False)
-        try:
+        cluster = Cluster()
+        try:  # a node that fails to start must not leave the others running (ports held)
+            cluster.add_node(num_cpus=1, temp_dir=temp_dir, resources={PAIR_NODE: 1})  # the head
+            for _ in range(2):
+                cluster.add_node(num_cpus=1, resources={"sglang_node": 1}, temp_dir=temp_dir)
+            ray.init(address=cluster.address, log_to_driver=False)
             yield cluster
         finally:
             ray.shutdown()
