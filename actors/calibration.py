@@ -16,8 +16,8 @@ import torch
 
 from actors.capture_client import generate_and_capture, wait_for_dump
 from actors.sglang_server import SGLangServer
+from hsx_store.format import Manifest
 from patches.dump_files import read_dump, release_dump
-from store.format import Manifest
 
 PROBE_TEXT = "Calibration probe: the capital city of France is Paris, and 2 + 2 = 4."
 # Dump meta fields that must equal the manifest's fields of the same name; and its dtype, the

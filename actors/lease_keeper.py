@@ -32,6 +32,9 @@ class Lease:
     worker: str
     valid_seconds: float  # lease - margin: a write may start this long after asking to renew
     deferred: bool = False  # write rows only after a successful claim (see the queue's doc)
+    # The longest a claim may wait for a former holder's writes: the queue's lease + margin
+    # bounds that wait, twice that is the holder's give-up point.
+    claim_timeout: float = 600.0
 
 
 @dataclass(frozen=True)

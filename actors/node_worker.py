@@ -25,7 +25,7 @@ import time
 import uuid
 from collections import Counter
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -42,44 +42,21 @@ from actors.capture_client import (
     generate_and_capture,
     wait_for_dump,
 )
-from actors.dump_verify import DumpMismatch, verify_dump
+from actors.config import WorkerJobConfig
+from actors.dump_checks import DumpMismatch, verify_dump
 from actors.lease_keeper import Lease, LeaseKeeper, LeaseLost, ray_caller
 from actors.sglang_server import ServerError, ServerSpec, SGLangServer
 from actors.shard_writer import ShardWriter
 from actors.worker_metrics import WorkerMetrics
+from hsx_store.format import Store
+from hsx_store.model_identity import model_mismatches
 from patches.dump_files import TMP_PREFIX, clear_unpublished, read_dump, release_dump
 from patches.settings import CaptureSettings
-from store.format import Store
-from store.model_identity import model_mismatches
 
 logger = logging.getLogger(__name__)
 
 
-@dataclass(frozen=True)
-class WorkerConfig:
-    model_path: str
-    store_url: str
-    storage_options: dict[str, Any] = field(default_factory=dict)  # see store/location.py
-    aux_layer_ids: list[int] | None = None
-    trust_remote_code: bool = False  # for the tokenizer (the server gets its own flag)
-    tp_size: int | None = None  # None: every GPU Ray gave this worker / dp_size (1 on CPU)
-    dp_size: int = 1  # SGLang --dp-size: the server spans tp_size x dp_size GPUs
-    server_args: list[str] = field(default_factory=list)
-    max_total_tokens: int | None = None  # None: SGLang's own sizing on GPU, 8192 on CPU
-    inflight: int = 8  # requests in flight, so SGLang batches them
-    sample_attempts: int = 3  # a sample failing verification this often is recorded as failed
-    server_start_timeout: float = 600.0
-    server_restarts: int = 3
-    restart_backoff: float = 5.0
-    request_timeout: float = 900.0
-    heartbeat_seconds: float = 10.0
-    dump_root: str = "/dev/shm"
-    log_root: str | None = None  # the server's log goes under it; None: the system's temp dir
-    rid_prefix: str = "hsx-"
-    max_pending_bytes: int = 4 << 30
-    writer_threads: int = 2
-    idle_poll_seconds: float = 1.0  # nothing to lease: ask again after this, backing off
-    fence_timeout: float = 600.0  # a claimant waits this long for a former holder's write
+RID_PREFIX = "hsx-"  # the plugin captures only requests whose rid starts with it
 
 
 class ModelMismatch(RuntimeError):
@@ -94,20 +71,22 @@ class Captured:
 
 @ray.remote(max_concurrency=4)  # run() is long; status and server_pid answer meanwhile
 class NodeWorker:
-    def __init__(self, config: WorkerConfig, queue: Any, worker_id: str | None = None) -> None:
-        self.config = config
+    def __init__(self, job: WorkerJobConfig, queue: Any, worker_id: str | None = None) -> None:
+        self.job, self.config = job, job.worker
         self.queue = queue
         self.id = worker_id or f"{socket.gethostname()}-{os.getpid()}"
-        self.store = Store.open(config.store_url, mode="r+", storage_options=config.storage_options)
+        self.store = Store.open(job.store.url, mode="r+", storage_options=job.store.storage_options)
         tokenizer = AutoTokenizer.from_pretrained(
-            config.model_path, trust_remote_code=config.trust_remote_code
+            job.model.path, trust_remote_code=job.model.trust_remote_code
         )
         self.probe_ids: list[int] = tokenizer(PROBE_TEXT)["input_ids"]
-        self.dump_dir = Path(config.dump_root) / f"hsx-dumps-{self.id}-{uuid.uuid4().hex[:8]}"
+        self.dump_dir = Path(self.config.dump_root) / f"hsx-dumps-{self.id}-{uuid.uuid4().hex[:8]}"
         self.server_dumps = self.dump_dir / "server-0"  # this server start's (see _start_server)
         # On disk, not in /dev/shm (it would hold RAM for as long as the machine is up), private
         # (mkdtemp: 0700), and removed with the worker unless it failed.
-        self.log_dir = Path(tempfile.mkdtemp(prefix=f"hsx-worker-{self.id}-", dir=config.log_root))
+        self.log_dir = Path(
+            tempfile.mkdtemp(prefix=f"hsx-worker-{self.id}-", dir=self.config.log_root)
+        )
         self.server: SGLangServer | None = None
         self.calibration: Calibration | None = None
         self.metrics = WorkerMetrics(self.id)
@@ -136,7 +115,7 @@ class NodeWorker:
                     self.progress = {"shard": None, "written": 0, "failed": 0}
                     # Backing off (1x, 2x, 4x): a thousand idle nodes at a job's tail or
                     # ahead of its plan stay a small share of what one queue answers.
-                    time.sleep(self.config.idle_poll_seconds * 2 ** min(idle, 2))
+                    time.sleep(self.config.idle_poll_s * 2 ** min(idle, 2))
                     idle += 1
         except BaseException as exc:
             self.shutdown(keep_log=True)
@@ -182,7 +161,7 @@ class NodeWorker:
     def _check_model(self) -> None:
         """Refuse to extend the store with another checkpoint than the one that planned it (a
         node whose copy at model.path differs: a fine-tune, another revision)."""
-        if problems := model_mismatches(self.config.model_path, self.store.manifest):
+        if problems := model_mismatches(self.job.model.path, self.store.manifest):
             raise ModelMismatch(
                 f"worker {self.id}: the model on this node is not the one the store was planned "
                 "with:\n  " + "\n  ".join(problems)
@@ -203,22 +182,23 @@ class NodeWorker:
                     root.rmdir()
         self.server_dumps = self.dump_dir / f"server-{self.restarts}"
         on_gpu = torch.cuda.is_available()
+        server = self.job.server
         spec = ServerSpec(
-            model_path=Path(self.config.model_path),
+            model_path=Path(self.job.model.path),
             capture=CaptureSettings(
                 self.server_dumps,
-                self.config.rid_prefix,
+                RID_PREFIX,
                 self.config.max_pending_bytes,
                 mla_cpu_fix=True,
                 max_tokens=self.store.manifest.max_length,
             ),
-            aux_layer_ids=self.config.aux_layer_ids,
+            aux_layer_ids=self.job.model.aux_layer_ids,
             tp_size=self._tp_size(on_gpu),
-            dp_size=self.config.dp_size,
-            max_total_tokens=self.config.max_total_tokens or (None if on_gpu else 8192),
-            extra_args=list(self.config.server_args),
+            dp_size=server.dp_size,
+            max_total_tokens=server.max_total_tokens or (None if on_gpu else 8192),
+            extra_args=self.job.server_args(),
         )
-        self.server = SGLangServer(spec, self.server_log).start(self.config.server_start_timeout)
+        self.server = SGLangServer(spec, self.server_log).start(server.start_timeout_s)
         self.calibration = calibrate(
             self.server,
             self.store.manifest,
@@ -229,13 +209,14 @@ class NodeWorker:
     def _tp_size(self, on_gpu: bool) -> int:
         """The server's TP size. Ray pins this worker to its GPU group (num_gpus), so the GPUs
         it sees, CUDA_VISIBLE_DEVICES inherited by the server, are exactly that group."""
+        tp_size = self.job.server.tp_size
         if not on_gpu:
-            return self.config.tp_size or 1
-        visible, dp = torch.cuda.device_count(), self.config.dp_size
-        tp = self.config.tp_size or visible // dp
+            return tp_size or 1
+        visible, dp = torch.cuda.device_count(), self.job.server.dp_size
+        tp = tp_size or visible // dp
         if not tp or tp * dp > visible:
             raise ServerError(
-                f"worker {self.id}: tp_size {self.config.tp_size} x dp_size {dp} needs more "
+                f"worker {self.id}: tp_size {tp_size} x dp_size {dp} needs more "
                 f"GPUs than the {visible} it was given (Ray GPU ids {ray.get_gpu_ids()}, "
                 f"CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES')!r})"
             )
@@ -249,13 +230,13 @@ class NodeWorker:
         while True:
             self.restarts += 1
             self.metrics.restarts.inc()
-            if self.restarts > self.config.server_restarts:
+            if self.restarts > self.job.server.restarts:
                 raise ServerError(
-                    f"worker {self.id}: SGLang server died and {self.config.server_restarts} "
+                    f"worker {self.id}: SGLang server died and {self.job.server.restarts} "
                     f"restarts are used up; its log ended with:\n{tail}"
                 )
             self.server.stop()
-            time.sleep(self.config.restart_backoff * self.restarts)
+            time.sleep(self.job.server.restart_backoff_s * self.restarts)
             try:
                 self._start_server()
                 return
@@ -293,7 +274,7 @@ class NodeWorker:
             planned[i] = ids[rows.start - shard.token_begin : rows.stop - shard.token_begin]
         attempts: Counter[int] = Counter()
         call = ray_caller(self.queue)
-        with LeaseKeeper(call, lease, self.config.heartbeat_seconds) as keeper:
+        with LeaseKeeper(call, lease, self.config.heartbeat_s) as keeper:
             try:
                 writer = ShardWriter(
                     self.store,
@@ -301,7 +282,7 @@ class NodeWorker:
                     self.config.writer_threads,
                     fence=keeper,
                     spill_dir=self.dump_dir / f"spill-{lease.lease_id}" if lease.deferred else None,
-                    fence_timeout=self.config.fence_timeout,
+                    fence_timeout=lease.claim_timeout,
                 )
             except LeaseLost as exc:
                 return {**self._summary(lease, started, None), **self._lease_lost(lease, exc)}
@@ -394,10 +375,13 @@ class NodeWorker:
     def _request(self, i: int, input_ids: np.ndarray, attempt: int) -> CaptureResponse:
         """Prefill sample i (a request thread); its dump is published meanwhile."""
         assert self.server is not None
-        rid = f"{self.config.rid_prefix}s{i}-a{attempt}-{uuid.uuid4().hex[:8]}"
+        rid = f"{RID_PREFIX}s{i}-a{attempt}-{uuid.uuid4().hex[:8]}"
         t0 = time.perf_counter()
         response = generate_and_capture(
-            self.server, rid, input_ids=input_ids.tolist(), timeout=self.config.request_timeout
+            self.server,
+            rid,
+            input_ids=input_ids.tolist(),
+            timeout=self.job.server.request_timeout_s,
         )
         self.metrics.record_request(len(input_ids), time.perf_counter() - t0)
         return response

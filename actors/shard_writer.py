@@ -1,6 +1,6 @@
 """Writes one leased work shard's hidden-state rows into the store (worker side).
 
-The rules it keeps (store/format.py): whole chunks only, one writer per chunk, the commit marker
+The rules it keeps (hsx_store/format.py): whole chunks only, one writer per chunk, the commit marker
 last, nothing written once the lease is lost. Every store write goes through the lease's write
 fence (actors/lease_keeper.py); a deferred lease's chunks wait in a local spill directory until
 its claim on the shard wins, and are written then.
@@ -31,7 +31,7 @@ from zarr.codecs.bytes import Endian
 from zarr.storage import LocalStore
 
 from actors.lease_keeper import LeaseLost, Unfenced, WriteFence
-from store.format import (
+from hsx_store.format import (
     STATUS_FAILED,
     STATUS_PLANNED,
     STATUS_WRITTEN,
@@ -40,8 +40,8 @@ from store.format import (
     StoredArray,
     stored_arrays,
 )
-from store.fp8 import FP8_DTYPE, quantize
-from store.location import SinglePutObjectStore
+from hsx_store.fp8 import FP8_DTYPE, quantize
+from hsx_store.location import SinglePutObjectStore
 
 
 def _raw(x: np.ndarray | torch.Tensor, dtype: str, what: str) -> np.ndarray:
@@ -194,7 +194,7 @@ class ShardWriter:
     ranges), never assembled in a copy first: on this 2-core machine the write is memory-bound
     and that copy cost ~half the throughput (benchmarks/writer_vs_tofile.py).
     Where zarr must encode (a codec) the chunk is assembled in a reused buffer on a write
-    thread. Every stored array (store/format.py `stored_arrays`: the hidden arrays, and an FP8
+    thread. Every stored array (hsx_store/format.py `stored_arrays`: the hidden arrays, and an FP8
     store's scales) is chunked alike, so a chunk index means the same rows in each.
 
     A sample's memory is lent to the chunks holding its rows until they are written, so a
@@ -275,7 +275,7 @@ class ShardWriter:
         keeps it, pre-norm [P, H]; P is its planned length, the dtype the served one. The rows
         are written from this memory, so the arrays must stay untouched until `on_release` is
         called: once every chunk holding its rows is written (or its rows were copied out). An
-        FP8 store quantizes them first (store/fp8.py) and releases them then; a non-finite value
+        FP8 store quantizes them first (hsx_store/fp8.py) and releases them then; a non-finite value
         there is a ValueError."""
         t0 = time.perf_counter()
         rows = self._claim(sample_index)

@@ -30,12 +30,12 @@ import torch
 from actors.capture_client import generate_and_capture, wait_for_dump
 from actors.sglang_server import ServerSpec, SGLangServer
 from actors.shard_writer import ShardWriter
+from hsx_store.format import Store, create_store, make_manifest
+from hsx_store.fp8 import FP8_DTYPE
+from hsx_store.layers import expected_capture
+from hsx_store.reader import HiddenStatesIterable
 from patches.dump_files import read_dump, release_dump
 from patches.settings import CaptureSettings
-from store.format import Store, create_store, make_manifest
-from store.fp8 import FP8_DTYPE
-from store.layers import expected_capture
-from store.reader import HiddenStatesIterable
 from tools.tiny_models import ensure_models
 
 MIN_COSINE, MAX_ERROR, MAX_BYTES = 0.999, 0.03, 0.52

@@ -5,7 +5,7 @@
     out memory that outlives its next read, so one reused buffer that stays in the CPU cache
     would not be the same job; page-aligned as the reader's are, because into numpy's usual
     start 16 bytes past a page the kernel's copy runs at a quarter of the speed:
-    store/buffers.py);
+    hsx_store/buffers.py);
 (b) HiddenStatesIterable: every visible sample as bf16 tensors, in store order, one process;
     built once (as a training loop does, and as the raw read is given its file list), then one
     epoch per round.
@@ -17,7 +17,7 @@ real ShardWriter: synthetic bf16 rows shaped like Kimi-K2.5's captures (3 aux la
 
 What limits both (measured here, 2 shared cores): the kernel's copy out of the page cache.
 The reader `readinto`s each chunk's rows straight into recycled block buffers on a pool of
-threads (store/file_rows.py), so its copies run on both cores where the baseline's run on one;
+threads (hsx_store/file_rows.py), so its copies run on both cores where the baseline's run on one;
 the rest of its time is opening chunk files and making the samples.
 
     make bench BENCH=reader_vs_raw_read
@@ -37,9 +37,9 @@ import numpy as np
 from actors.shard_writer import ShardWriter
 from benchmarks.rounds import alternate
 from benchmarks.writer_vs_tofile import make_samples
-from store.buffers import page_aligned_empty
-from store.format import DEFAULT_CODEC, Manifest, create_store, make_manifest
-from store.reader import HiddenStatesIterable
+from hsx_store.buffers import page_aligned_empty
+from hsx_store.format import DEFAULT_CODEC, Manifest, create_store, make_manifest
+from hsx_store.reader import HiddenStatesIterable
 
 TARGET = 0.8
 

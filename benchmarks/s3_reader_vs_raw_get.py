@@ -7,7 +7,7 @@
     until the round ends, as a consumer would hold what it read;
 (b) HiddenStatesIterable over the same s3:// store, one process: every visible sample as bf16
     tensors, in store order (chunks fetched whole, concurrently and ahead of the consumer, then
-    copied into the samples' block buffers: store/object_rows.py).
+    copied into the samples' block buffers: hsx_store/object_rows.py).
 Both sides move the same objects, so each round's ratio is GET seconds / reader seconds; GB/s
 are shown over the chunk objects' bytes. Rounds alternate (benchmarks/rounds.py); the value is
 the median of the per-round ratios.
@@ -34,10 +34,10 @@ from zarr.core.sync import sync
 
 from benchmarks.reader_vs_raw_read import build_store
 from benchmarks.rounds import alternate
-from store.format import HIDDEN_ARRAYS
-from store.location import open_location
-from store.object_rows import CONCURRENCY
-from store.reader import PLAN_ARRAYS, HiddenStatesIterable
+from hsx_store.format import HIDDEN_ARRAYS
+from hsx_store.location import open_location
+from hsx_store.object_rows import CONCURRENCY
+from hsx_store.reader import PLAN_ARRAYS, HiddenStatesIterable
 from tools.s3_server import s3_server
 
 TARGET = 0.8

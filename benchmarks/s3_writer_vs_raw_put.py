@@ -2,7 +2,7 @@
 
 Both sides talk to the same loopback S3 server (tools/s3_server.py: moto in its own process,
 credentials enforced), through obstore with the client settings the store uses
-(store/location.py):
+(hsx_store/location.py):
 (a) baseline: one `obstore.put(..., use_multipart=False)` per chunk object the store holds
     (same count, same sizes: aux and final chunks of `chunk_tokens` rows, padding included),
     from buffers filled before timing, `--threads` PUTs at a time: the writer's concurrency;
@@ -30,7 +30,7 @@ import obstore
 from actors.shard_writer import ShardWriter
 from benchmarks.rounds import alternate
 from benchmarks.writer_vs_tofile import Samples, bench_manifest, make_samples, payload_bytes
-from store.format import (
+from hsx_store.format import (
     DEFAULT_CODEC,
     Manifest,
     Store,
@@ -38,7 +38,7 @@ from store.format import (
     default_chunk_tokens,
     layout,
 )
-from store.location import open_location
+from hsx_store.location import open_location
 from tools.s3_server import S3Server, s3_server
 
 TARGET = 0.8

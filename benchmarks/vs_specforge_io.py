@@ -14,9 +14,9 @@ WRITE (GB/s of hidden-state payload; value = ours / peer, target 1.5):
         (`torch.isnan(t).any()`) and `torch.save`s the record to
         rows_{g}-{g+2000}/data_{i}.ckpt. The `.cpu().clone()` before it is the device-to-host
         copy, which our worker does elsewhere too, so neither side times it.
-  ours: per sample `actors.dump_verify.verify_dump` (rid, counter, shapes, token ids, layers,
+  ours: per sample `actors.dump_checks.verify_dump` (rid, counter, shapes, token ids, layers,
         dtype, finiteness) then `ShardWriter.write_sample`, shard by shard into a store from
-        `store.format.create_store`, each shard's commit included (store creation is the
+        `hsx_store.format.create_store`, each shard's commit included (store creation is the
         driver's and untimed).
   Neither side fsyncs (neither does in production); `sync` runs untimed before each write, so
   one side's dirty pages are not flushed on the other's clock.
@@ -28,7 +28,7 @@ COLD READ (hidden-state payload GB/s, page cache dropped for every file of both 
         default_dataloader_num_workers: 4 prefetch threads), batch_size 1; each file is
         `torch.load(mmap=True)`ed and cloned (clone_on_fetch). The collator (padding to a
         batch) is left out on both sides: ours yields samples, not batches.
-  ours: `store.reader.HiddenStatesIterable` over the store written above, in this process.
+  ours: `hsx_store.reader.HiddenStatesIterable` over the store written above, in this process.
   value = ours / peer (target 1.1), and ours / `dd if=<chunk file> of=/dev/null bs=16M` over our
   hidden-state chunk files (the disk's raw sequential cold read, target 0.85), each alternated.
 
@@ -40,7 +40,7 @@ BYTES PER TOKEN: our store's bytes on disk (every file) per token vs the payload
 (num_aux + 1) * H * 2, at the job's default shard size (64 samples); printed, not part of the
 value. What is over is the padding of each shard's last chunk (shards start on chunk boundaries,
 so every chunk has one writer), half a chunk per shard on average: the store written here has one
-or two shards, so the figure that carries over is also projected with `store.format.layout` over
+or two shards, so the figure that carries over is also projected with `hsx_store.format.layout` over
 10,000 samples of the same length distribution (the written store's padding checks the formula).
 
 Rows are Kimi-shaped (3 aux layers x hidden 7168, bf16, 256-2048 tokens per sample); the temp
@@ -77,13 +77,13 @@ import numpy as np
 import torch
 
 from actors.calibration import Calibration
-from actors.dump_verify import verify_dump
+from actors.dump_checks import verify_dump
 from actors.shard_writer import ShardWriter
 from benchmarks.reader_vs_raw_read import stand_in_manifest
 from benchmarks.rounds import Rounds, alternate
 from cluster.config import StoreConfig
-from store.format import HIDDEN_ARRAYS, Store, create_store, layout
-from store.reader import HiddenStatesIterable
+from hsx_store.format import HIDDEN_ARRAYS, Store, create_store, layout
+from hsx_store.reader import HiddenStatesIterable
 
 try:  # the peer's reader, imported from its release (requirements/bench.txt)
     from specforge.algorithms.eagle3.data import normalize_offline_sample

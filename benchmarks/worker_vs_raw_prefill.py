@@ -25,13 +25,14 @@ import numpy as np
 import ray
 import torch
 
-from actors.node_worker import NodeWorker, WorkerConfig
+from actors.config import WorkerJobConfig
+from actors.node_worker import NodeWorker
 from actors.sglang_server import ServerSpec, SGLangServer
 from benchmarks.rounds import alternate
 from cluster.shard_queue import ShardQueueActor
+from hsx_store.format import create_store, make_manifest
+from hsx_store.layers import expected_capture
 from patches.settings import CaptureSettings
-from store.format import create_store, make_manifest
-from store.layers import expected_capture
 from tools.ray_head import private_temp_dir
 from tools.tiny_models import ensure_models
 
@@ -41,9 +42,11 @@ TARGET = 0.85
 def raw_prefill_tokens_per_s(
     model: Path, prompts: list[list[int]], inflight: int, work: Path, tag: str
 ) -> float:
-    # The worker's server flags: WorkerConfig's defaults on a CPU node.
+    # The worker's server flags: its config's defaults on a CPU node.
     capture = CaptureSettings(work / "raw-dumps", "hsx-", 1 << 30, mla_cpu_fix=True)
-    spec = ServerSpec(model_path=model, capture=capture, max_total_tokens=8192)
+    spec = ServerSpec(
+        model_path=model, capture=capture, max_total_tokens=8192, extra_args=["--dtype", "bfloat16"]
+    )
 
     def send(i: int) -> None:
         payload = {"rid": f"raw-{tag}-{i}", "input_ids": prompts[i]}
@@ -76,8 +79,12 @@ def worker_tokens_per_s(
     masks = [np.ones(len(p), np.uint8) for p in prompts]
     store = create_store(url, manifest, [f"s{i}" for i in range(len(ids))], ids, masks)
     queue = ShardQueueActor.remote(range(len(store.shards)), lease_seconds=120)
-    config = WorkerConfig(
-        model_path=str(model), store_url=str(url), inflight=args.inflight, dump_root=str(work)
+    config = WorkerJobConfig.model_validate(
+        {
+            "model": {"path": str(model)},
+            "store": {"url": str(url)},
+            "worker": {"inflight": args.inflight, "dump_root": str(work)},
+        }
     )
     worker = NodeWorker.options(resources={"sglang_node": 1}).remote(config, queue)
     try:

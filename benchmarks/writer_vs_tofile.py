@@ -28,7 +28,7 @@ row range (os.writev of the same ranges measured ~3x slower here). Per shard, re
 
 The data is synthetic but compresses like real bf16 activations: a float32 gaussian scaled per
 channel (log-normal scales), rounded to bf16: sign/exponent bytes compress, mantissas do not.
---sweep prints the table that chose the defaults in store/format.py (codec x chunk x threads):
+--sweep prints the table that chose the defaults in hsx_store/format.py (codec x chunk x threads):
 one alternating-rounds ratio per configuration.
 
     .venv/bin/python -m benchmarks.writer_vs_tofile         # or: make bench BENCH=writer_vs_tofile
@@ -51,7 +51,7 @@ import torch
 
 from actors.shard_writer import ShardWriter
 from benchmarks.rounds import Rounds, alternate
-from store.format import (
+from hsx_store.format import (
     DEFAULT_CODEC,
     SCHEMA_VERSION,
     Manifest,

@@ -6,7 +6,7 @@ python -m cluster run --config JOB.yaml [--set section.field=value ...]
 python -m cluster verify --store URL [--model PATH --recompute N --logprobs N]
     check a store's integrity (cluster/verify.py); exit 0 ok, 1 problems, 2 unreadable
 python -m cluster export --store URL --format {specforge,speculators} --out DIR [--allow-post-norm]
-    write the committed samples in a trainer's offline format (store/export.py)
+    write the committed samples in a trainer's offline format (hsx_store/export.py)
 """
 
 from __future__ import annotations
@@ -20,11 +20,11 @@ import sys
 from cluster.config import ConfigError, load_config
 from cluster.job_store import ResumeConflict
 from cluster.plan import PlanError
-from store.builder import PlanDiverged
-from store.format import StoreFormatError
-from store.location import StoreAccessError
+from hsx_store.builder import PlanDiverged
+from hsx_store.format import StoreFormatError
+from hsx_store.location import StoreAccessError
 
-DELEGATED = {"verify": "cluster.verify", "export": "store.export"}  # own argument parsers
+DELEGATED = {"verify": "cluster.verify", "export": "hsx_store.export"}  # own argument parsers
 SHORTCUTS = {  # --model X is --set model.path=X, and so on
     "model": "model.path",
     "data": "data.paths",

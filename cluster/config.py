@@ -16,140 +16,39 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import (
-    BaseModel,
-    ConfigDict,
-    Field,
-    ValidationError,
-    field_validator,
-    model_validator,
-)
+from pydantic import Field, ValidationError, model_validator
 
-from store.location import DEFAULT_CLIENT_OPTIONS, DEFAULT_RETRY, is_remote
-
-# Aux layers one capture may hold: EAGLE-3 uses 3, DFlash-style drafters 5 or more (SGLang
-# 0.5.23 has set_dflash_layers_to_capture); capture, store, readers and exports are tested
-# with 1, 3, 5 and 8 (tests/test_aux_layers.py).
-MAX_AUX_LAYERS = 8
+from actors.config import Section, WorkerJobConfig
+from hsx_store.location import DEFAULT_CLIENT_OPTIONS, DEFAULT_RETRY, is_remote
 
 
-class _Section(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
+class DataConfig(Section):
+    """The prompts, and how they become token ids and loss masks (docs/design/planning.md)."""
 
-
-class ModelConfig(_Section):
-    path: str  # a local HF model directory, present on every GPU node at the same path
-    # Served dtype; the store keeps hidden states in it (bfloat16 bit-exact as uint16 bits).
-    dtype: Literal["bfloat16", "float32"] = "bfloat16"
-    # --return-aux-hidden-state-layer-ids as SGLang takes them, 1 to MAX_AUX_LAYERS distinct
-    # ids (EAGLE-3: 3; DFlash-style drafters: 5 or more); null: SGLang's EAGLE-3 default
-    # [2, L//2, L-3]. Whether the model has those layers is checked when it is read
-    # (cluster.job_store.manifest_for), before Ray or a server starts.
-    aux_layer_ids: list[int] | None = None
-    # Run the model's own tokenizer/model code (Kimi-K2.5 needs it); also passed to SGLang.
-    trust_remote_code: bool = False
-
-    @field_validator("aux_layer_ids")
-    @classmethod
-    def _distinct(cls, ids: list[int] | None) -> list[int] | None:
-        if ids is None:
-            return ids
-        if not 1 <= len(ids) <= MAX_AUX_LAYERS:
-            raise ValueError(f"must name 1 to {MAX_AUX_LAYERS} layers, got {len(ids)}: {ids}")
-        repeated = sorted({i for i in ids if ids.count(i) > 1})
-        if repeated:
-            raise ValueError(f"layer ids must be distinct, {repeated} repeated in {ids}")
-        if min(ids) < 0:
-            raise ValueError(f"layer ids must be non-negative, got {ids}")
-        return ids
-
-
-# Set through their fields: the placement of servers on GPUs depends on them.
-_PLACEMENT_ARGS = {
-    "--tp-size": "tp_size",
-    "--tensor-parallel-size": "tp_size",
-    "--dp-size": "dp_size",
-    "--data-parallel-size": "dp_size",
-}
-
-
-class ServerConfig(_Section):
-    # GPUs of one tensor-parallel group; null: the GPUs of a server's share of the node
-    # (every GPU with one server per node; 1 on a CPU node).
-    tp_size: int | None = Field(None, ge=1)
-    # SGLang --dp-size: data-parallel replicas inside one server, each of tp_size GPUs, so a
-    # server spans tp_size x dp_size GPUs. DP attention (--attn-dp-size, within the TP group)
-    # goes in extra_args.
-    dp_size: int = Field(1, ge=1)
-    extra_args: list[str] = []  # appended to the SGLang command line
-    max_total_tokens: int | None = Field(None, ge=1)  # null: SGLang's sizing (8192 on CPU)
-    start_timeout_s: float = Field(900.0, gt=0)
-    restarts: int = Field(3, ge=0)  # per worker, each followed by a fresh calibration
-    restart_backoff_s: float = Field(5.0, ge=0)
-    request_timeout_s: float = Field(900.0, gt=0)
-
-    @field_validator("extra_args")
-    @classmethod
-    def _no_placement_args(cls, args: list[str]) -> list[str]:
-        for arg in args:
-            flag = arg.split("=", 1)[0]
-            if flag in _PLACEMENT_ARGS:
-                raise ValueError(f"{flag}: set server.{_PLACEMENT_ARGS[flag]} instead")
-        return args
-
-
-class DataConfig(_Section):
-    paths: list[str] = Field(min_length=1)  # .jsonl / .parquet files, or HF datasets dirs
-    format: Literal["auto", "jsonl", "parquet", "hf"] = "auto"  # auto: by suffix / directory
-    split: str = "train"  # for a saved DatasetDict
-    id_field: str = "id"  # optional per row; else "<file>:<row>"
-    text_field: str = "text"  # a row holds either text ...
-    messages_field: str = "messages"  # ... or chat messages [{"role", "content"}, ...]
-    roles: list[str] = ["system", "user", "assistant", "tool"]  # a message with another: rejected
-    # "model": the tokenizer's own chat template; otherwise the path of a Jinja template file.
+    paths: list[str] = Field(min_length=1)
+    """.jsonl / .parquet files, or directories saved by HF datasets."""
+    format: Literal["auto", "jsonl", "parquet", "hf"] = "auto"
+    """auto: by suffix (a directory is a datasets directory)."""
+    split: str = "train"
+    """The split of a saved DatasetDict."""
+    id_field: str = "id"
+    """A row's optional id; without it the id is `<file>:<row>`."""
+    text_field: str = "text"
+    """A row holds either text ..."""
+    messages_field: str = "messages"
+    """... or chat messages `[{"role", "content"}, ...]`."""
+    roles: list[str] = Field(["system", "user", "assistant", "tool"])
+    """The roles a message may have; a row with another is rejected."""
     chat_template: str = "model"
-    # assistant: loss on assistant tokens of chat rows (text rows: every token); all: every token.
+    """"model": the tokenizer's own chat template; otherwise the path of a Jinja template."""
     loss_mask: Literal["assistant", "all"] = "assistant"
-    max_length: int = Field(4096, ge=1)  # longer prompts are rejected, never truncated
+    """assistant: loss on the assistant turns of chat rows (text rows: every token); all:
+    every token."""
+    max_length: int = Field(4096, ge=1)
+    """Longer prompts are rejected, never truncated."""
 
 
-class StoreConfig(_Section):
-    url: str  # a local directory, or object storage: s3://bucket/prefix.zarr (gs://, az://)
-    # obstore settings for object storage (endpoint, region, client_options, retry_config, ...);
-    # credentials are better left to the nodes' AWS_* environment (see ray_configs/README.md).
-    storage_options: dict[str, Any] = {}
-    codec: Literal["none", "zstd"] = "none"
-    codec_level: int = Field(1, ge=1, le=22)
-    samples_per_shard: int = Field(64, ge=1)  # one work shard = one lease = one commit
-    chunk_tokens: int | None = Field(None, ge=1)  # null: ~32 MB of aux rows per chunk
-    # Keep the final norm's input (what vLLM speculators trains on) besides the post-norm state
-    # (SpecForge's): one more [T, H] array, +1/(num_aux + 1) of the hidden bytes.
-    prenorm: bool = True
-    # How hidden states are kept: "model", in the served dtype, bit for bit; "fp8_e4m3", e4m3
-    # with a float32 scale per token and layer (store/fp8.py), ~half of bf16's bytes, read
-    # back as bf16; needs model.dtype bfloat16.
-    dtype: Literal["model", "fp8_e4m3"] = "model"
-
-
-class WorkerConfigSection(_Section):
-    node_resource: str = "sglang_node"  # the custom resource every GPU node advertises
-    inflight: int = Field(8, ge=1)  # requests in flight per server, so SGLang batches them
-    sample_attempts: int = Field(3, ge=1)  # then the sample is recorded as failed
-    dump_root: str = "/dev/shm"
-    log_root: str | None = None  # servers' logs (private, kept if failed); null: temp dir
-    max_pending_bytes: int = Field(4 << 30, ge=1 << 20)
-    writer_threads: int = Field(2, ge=1)
-    heartbeat_s: float = Field(10.0, gt=0)
-    # Servers (each with its own worker) per node. null: as many as the node's GPUs hold
-    # (GPUs // (tp_size x dp_size)), 1 on a CPU node; a number: exactly that many (on a CPU
-    # node too, e.g. for tests), an error for a GPU node too small for them.
-    servers_per_node: int | None = Field(None, ge=1)
-    # Workers lost in one server slot of a node before that slot is given up (with one server
-    # per node: the node).
-    max_node_failures: int = Field(3, ge=1)
-
-
-# obstore's own defaults where store/location.py sets none.
+# obstore's own defaults where hsx_store/location.py sets none.
 _OBSTORE_DEFAULT_MAX_BACKOFF_S = 15.0
 _DURATION_UNITS = {"ms": 1e-3, "s": 1.0, "sec": 1.0, "m": 60.0, "min": 60.0, "h": 3600.0}
 
@@ -171,46 +70,54 @@ def _seconds(value: Any) -> float:
 
 def store_write_bound_s(storage_options: dict[str, Any]) -> float:
     """The longest one chunk PUT to object storage can go on: its last retry starts by
-    retry_timeout + max_backoff and runs at most the client timeout (store/location.py)."""
+    retry_timeout + max_backoff and runs at most the client timeout (hsx_store/location.py)."""
     client = {**DEFAULT_CLIENT_OPTIONS, **storage_options.get("client_options", {})}
     retry = {**DEFAULT_RETRY, **storage_options.get("retry_config", {})}
     max_backoff = retry.get("backoff", {}).get("max_backoff", _OBSTORE_DEFAULT_MAX_BACKOFF_S)
     return _seconds(retry["retry_timeout"]) + _seconds(max_backoff) + _seconds(client["timeout"])
 
 
-class QueueConfig(_Section):
-    lease_s: float = Field(300.0, gt=0)  # a lease not renewed this long goes back to the queue
-    # A holder starts no store write later than lease_s - margin_s after asking for its last
-    # renewal, and the queue lets no one else write the shard until margin_s after the lease
-    # expired (cluster/shard_queue.py). Must exceed the longest a store write can take. null:
-    # that + 15 s on object storage (210 s with store/location.py's defaults); lease_s / 2 on
-    # a local store (no client timeout there: a write to a hung mount is not bounded).
+class QueueConfig(Section):
+    """The shard lease queue and its time fence (docs/design/queue.md)."""
+
+    lease_s: float = Field(300.0, gt=0)
+    """A lease not renewed this long goes back to the queue."""
     margin_s: float | None = Field(None, gt=0)
-    shard_attempts: int = Field(3, ge=1)  # leases of a shard lost to failures before it is failed
-    # At the tail (nothing pending) an idle worker re-runs a shard leased longer than
-    # straggler_factor x the median shard time (and at least straggler_min_s); first commit wins.
+    """A holder starts no store write later than lease_s - margin_s after asking for its last
+    renewal, and nobody else writes the shard until margin_s after the lease expired; must
+    exceed the longest a store write can take. null: that + 15 s on object storage (210 s with
+    the default client options), lease_s / 2 on a local store."""
+    shard_attempts: int = Field(3, ge=1)
+    """Leases of a shard lost to failures before it is given up."""
     straggler_factor: float = Field(2.0, ge=1.0)
+    """At the tail (nothing pending) an idle worker re-runs a shard leased longer than this x
+    the median shard time (and straggler_min_s); the first commit wins."""
     straggler_min_s: float = Field(60.0, ge=0)
+    """The least lease age for a tail duplicate."""
 
 
-class DriverConfig(_Section):
+class DriverConfig(Section):
+    """The driver: progress, the job's end, planning."""
+
     progress_interval_s: float = Field(10.0, gt=0)
-    # Once every shard is done, workers still busy after this long (a straggler whose shard a
-    # duplicate committed, stuck in a slow request) are stopped rather than waited for.
+    """How often the driver looks at the workers and the queue (and, on a terminal, redraws
+    the progress line)."""
+    log_interval_s: float = Field(30.0, gt=0)
+    """Off a terminal, a progress line at most this often, and on every change of state."""
     finish_grace_s: float = Field(60.0, ge=0)
-    # With no usable GPU node at all, wait this long for one to join before giving up.
+    """Once every shard is done, workers still busy after this long (a straggler whose shard a
+    duplicate committed) are stopped rather than waited for."""
     node_wait_s: float = Field(300.0, ge=0)
-    # Parts of the data planned at once, as Ray tasks on the nodes that hold every input at
-    # its path; null: one per CPU of those nodes. The plan is the same whatever the number.
+    """With no usable GPU node at all, wait this long for one to join before giving up."""
     planners: int | None = Field(None, ge=1)
+    """Parts of the data planned at once, as Ray tasks on the nodes that hold every input at
+    its path; null: one per CPU of those nodes. The plan is the same whatever the number."""
 
 
-class JobConfig(_Section):
-    model: ModelConfig
+class JobConfig(WorkerJobConfig):
+    """The whole job: what every worker reads (actors/config.py) and the driver's sections."""
+
     data: DataConfig
-    store: StoreConfig
-    server: ServerConfig = ServerConfig()
-    worker: WorkerConfigSection = WorkerConfigSection()
     queue: QueueConfig = QueueConfig()
     driver: DriverConfig = DriverConfig()
 

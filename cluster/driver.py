@@ -20,6 +20,7 @@
 
 from __future__ import annotations
 
+import sys
 import time
 from collections import Counter
 from dataclasses import dataclass, field
@@ -29,47 +30,15 @@ import ray
 from ray.exceptions import GetTimeoutError, RayActorError, RayError
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-from actors.node_worker import NodeWorker, WorkerConfig
+from actors.node_worker import NodeWorker
 from cluster.config import JobConfig
 from cluster.job_store import open_or_create
 from cluster.placement import NodePlan, PlacementError, plan_node, resource_share
 from cluster.plan_feed import PlanFeed
+from cluster.progress_log import ProgressLog
 from cluster.report import ProgressMeter, build_report, format_report
 from cluster.shard_queue import QueueStatus, ShardQueueActor
-from store.location import describe_failure
-
-
-def worker_config(config: JobConfig) -> WorkerConfig:
-    m, s, w = config.model, config.server, config.worker
-    return WorkerConfig(
-        model_path=m.path,
-        store_url=config.store.url,
-        storage_options=config.store.storage_options,
-        aux_layer_ids=m.aux_layer_ids,
-        tp_size=s.tp_size,
-        dp_size=s.dp_size,
-        server_args=[
-            "--dtype",
-            m.dtype,
-            *(["--trust-remote-code"] if m.trust_remote_code else []),
-            *s.extra_args,
-        ],
-        trust_remote_code=m.trust_remote_code,
-        max_total_tokens=s.max_total_tokens,
-        inflight=w.inflight,
-        sample_attempts=w.sample_attempts,
-        server_start_timeout=s.start_timeout_s,
-        server_restarts=s.restarts,
-        restart_backoff=s.restart_backoff_s,
-        request_timeout=s.request_timeout_s,
-        heartbeat_seconds=w.heartbeat_s,
-        dump_root=w.dump_root,
-        log_root=w.log_root,
-        max_pending_bytes=w.max_pending_bytes,
-        writer_threads=w.writer_threads,
-        # A claim waits at most lease + margin for a former holder (cluster/shard_queue.py).
-        fence_timeout=2 * (config.queue.lease_s + config.margin_s),
-    )
+from hsx_store.location import describe_failure
 
 
 @dataclass
@@ -89,6 +58,7 @@ class Driver:
     node_plans: dict[str, NodePlan | PlacementError] = field(default_factory=dict)  # by node
     workers_lost: list[dict[str, str]] = field(default_factory=list)
     incarnation: int = 0
+    live: bool = field(default_factory=sys.stdout.isatty)  # a terminal: every progress line
 
     def run(self) -> int:
         started = time.monotonic()
@@ -125,7 +95,7 @@ class Driver:
                 feed = PlanFeed(builder, self.config, queue, meter, planners, self.say)
                 feed.start()  # workers start below meanwhile
             try:
-                status = self._watch(queue, worker_config(self.config), meter, feed)
+                status = self._watch(queue, meter, feed)
             finally:
                 if feed is not None and feed.is_alive():
                     feed.stop()
@@ -162,10 +132,9 @@ class Driver:
 
     # -- watching ---------------------------------------------------------------------------
 
-    def _watch(
-        self, queue: Any, wconfig: WorkerConfig, meter: ProgressMeter, feed: PlanFeed | None
-    ) -> QueueStatus:
+    def _watch(self, queue: Any, meter: ProgressMeter, feed: PlanFeed | None) -> QueueStatus:
         interval = self.config.driver.progress_interval_s
+        progress = ProgressLog(self.say, self.config.driver.log_interval_s, self.live)
         started, finished_at = time.monotonic(), None
         while True:
             if feed is not None and feed.error is not None:
@@ -175,7 +144,7 @@ class Driver:
             if status.finished and not self.workers:
                 return status
             if not status.finished:  # once finished, the workers stop on their own
-                self._start_missing_workers(wconfig, queue)
+                self._start_missing_workers(queue)
             elif finished_at is None:
                 finished_at = time.monotonic()
             elif time.monotonic() - finished_at > self.config.driver.finish_grace_s:
@@ -196,7 +165,9 @@ class Driver:
             done, _ = ray.wait(list(self.workers), num_returns=1, timeout=interval)
             for ref in done:
                 self._reap(ref, queue)
-            self.say(self._progress_line(meter, queue))
+            line, phases, committed = self._progress(meter, queue)
+            state = None if phases is None else (phases, meter.planning)
+            progress.update(line, state, committed)
 
     def _stop_workers(self, why: str) -> None:
         for ref, running in list(self.workers.items()):
@@ -269,7 +240,7 @@ class Driver:
             self.node_plans[node_id] = plan
         return self.node_plans[node_id]
 
-    def _start_missing_workers(self, wconfig: WorkerConfig, queue: Any) -> None:
+    def _start_missing_workers(self, queue: Any) -> None:
         """A worker for every free slot of every usable node: a lost worker's replacement
         takes its slot, unless that slot lost `worker.max_node_failures` workers already."""
         busy = {(r.node_id, r.slot) for r in self.workers.values()}
@@ -278,11 +249,9 @@ class Driver:
             for slot in range(plan.servers):
                 key = (node["NodeID"], slot)
                 if key not in busy and self.node_failures.get(key, 0) < limit:
-                    self._start_worker(node, plan, slot, wconfig, queue)
+                    self._start_worker(node, plan, slot, queue)
 
-    def _start_worker(
-        self, node: dict[str, Any], plan: NodePlan, slot: int, wconfig: WorkerConfig, queue: Any
-    ) -> None:
+    def _start_worker(self, node: dict[str, Any], plan: NodePlan, slot: int, queue: Any) -> None:
         self.incarnation += 1
         node_id = node["NodeID"]
         worker_id = f"{node['NodeManagerAddress']}-{node_id[:8]}-s{slot}-w{self.incarnation}"
@@ -294,14 +263,17 @@ class Driver:
             num_gpus=plan.gpus_per_server,
             scheduling_strategy=NodeAffinitySchedulingStrategy(node_id, soft=False),
             max_restarts=0,
-        ).remote(wconfig, queue, worker_id)
+        ).remote(self.config, queue, worker_id)
         self.workers[handle.run.remote()] = _Running(node_id, worker_id, handle, slot)
         self.say(f"started {worker_id}")
 
-    def _progress_line(self, meter: ProgressMeter, queue: Any) -> str:
-        """Workers first, then the queue: a shard committed between the two reads is then in
-        the queue's summaries, where its worker's state might no longer show it; the other way
-        round it was counted in neither and the count went backwards."""
+    def _progress(
+        self, meter: ProgressMeter, queue: Any
+    ) -> tuple[str, tuple[tuple[str, int], ...] | None, int]:
+        """The progress line, the workers' phases (None: unknown this time) and the shards
+        committed. Workers first, then the queue: a shard committed between the two reads is
+        then in the queue's summaries, where its worker's state might no longer show it; the
+        other way round it was counted in neither and the count went backwards."""
         refs = [r.handle.status.remote() for r in self.workers.values()]
         try:
             states = ray.get(refs, timeout=5)
@@ -311,7 +283,9 @@ class Driver:
         # Samples of shards still in progress (a finished shard is in the summaries already).
         in_flight = sum(s["written"] for s in states if s["shard"] not in status.summaries)
         phases = Counter(s["phase"] for s in states)
-        return meter.line(list(status.summaries.values()), in_flight, dict(phases))
+        line = meter.line(list(status.summaries.values()), in_flight, dict(phases))
+        known = tuple(sorted(phases.items())) if len(states) == len(refs) else None
+        return line, known, len(status.summaries)
 
 
 def run_job(config: JobConfig, say: Any = print) -> int:

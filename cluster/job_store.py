@@ -3,7 +3,7 @@ re-opened and checked on a resume.
 
 A resume re-uses the stored plan as it is (sample order, layout, rejects) and never re-reads
 the data, unless its planning was interrupted: then it plans again from the start and checks
-every shard the store already holds (store/builder.py). It first proves that the job submitted
+every shard the store already holds (hsx_store/builder.py). It first proves that the job submitted
 now is the job that made the store: same model (config, tokenizer and weights fingerprint),
 capture, chunking and plan inputs. Anything that differs is named and refused, because mixing
 two jobs' rows in one store would be silent corruption.
@@ -28,9 +28,9 @@ from cluster.plan import (
     chat_template_text,
     source_hashes,
 )
-from store.builder import StoreBuilder
-from store.format import Manifest, Shard, Store, StoreIncomplete, make_manifest, stored_arrays
-from store.layers import LayerIdsError, expected_capture
+from hsx_store.builder import StoreBuilder
+from hsx_store.format import Manifest, Shard, Store, StoreIncomplete, make_manifest, stored_arrays
+from hsx_store.layers import LayerIdsError, expected_capture
 
 PROJECT_AFTER_PARTS = 8  # planned parts after which the storage estimate is projected
 

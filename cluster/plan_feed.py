@@ -13,8 +13,8 @@ import ray
 from cluster.config import JobConfig
 from cluster.job_store import plan_into
 from cluster.report import ProgressMeter
-from store.builder import StoreBuilder
-from store.format import Shard
+from hsx_store.builder import StoreBuilder
+from hsx_store.format import Shard
 
 
 class PlanFeed(threading.Thread):

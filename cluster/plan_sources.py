@@ -20,7 +20,7 @@ from typing import Any
 import pyarrow as pa
 
 from cluster.config import DataConfig
-from store.model_identity import sha256_file
+from hsx_store.model_identity import sha256_file
 
 PART_BYTES = 4 << 20  # of a JSONL file per part
 PART_ROWS = 4096  # of Parquet (at least, in whole row groups) or of a datasets directory

@@ -14,7 +14,7 @@ from typing import Any
 
 import numpy as np
 
-from store.format import STATUS_WRITTEN, Store
+from hsx_store.format import STATUS_WRITTEN, Store
 
 
 def _duration(seconds: float) -> str:

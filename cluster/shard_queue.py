@@ -259,7 +259,8 @@ class ShardQueue:
 
     def _issue(self, shard: int, worker: str, deferred: bool) -> Lease:
         valid = self._lease_seconds - self._margin
-        lease = Lease(uuid.uuid4().hex, shard, worker, valid, deferred)
+        claim_timeout = 2 * (self._lease_seconds + self._margin)
+        lease = Lease(uuid.uuid4().hex, shard, worker, valid, deferred, claim_timeout)
         held = _Held(lease, self._clock(), 0.0)
         self._held[lease.lease_id] = held
         self._holders.setdefault(shard, set()).add(lease.lease_id)

@@ -22,14 +22,14 @@ from cluster.__main__ import main as cli_main
 from cluster.config import MAX_AUX_LAYERS, ConfigError, parse_config
 from cluster.job_store import manifest_for
 from cluster.shard_queue import ShardQueueActor
-from store.export import export, read_exported, sample_path
-from store.format import Store, create_store, make_manifest
-from store.layers import expected_capture, requested_layer_ids, resolve_layer_ids
-from store.reader import HiddenStatesDataset
-from store.verify import verify_store
+from hsx_store.export import export, read_exported, sample_path
+from hsx_store.format import Store, create_store, make_manifest
+from hsx_store.integrity import verify_store
+from hsx_store.layers import expected_capture, requested_layer_ids, resolve_layer_ids
+from hsx_store.reader import HiddenStatesDataset
 from tests.hf_reference import TOLERANCE, assert_matches
 from tests.local_ray import local_ray
-from tests.test_node_worker import chat_prompts, worker_config
+from tests.test_node_worker import chat_prompts, worker_job
 from tests.test_store import manifest as store_manifest
 
 
@@ -224,9 +224,7 @@ def test_five_layers_from_a_real_server_match_hf_through_store_reader_and_export
         str(llama_path), llama_path, capture, max_length=4096, samples_per_shard=4, chunk_tokens=64
     )
     create_store(url, manifest, [f"sample-{i}" for i in range(8)], ids, masks)
-    config = worker_config(
-        llama_path, url, tmp_path, aux_layer_ids=ASKED, server_args=["--dtype", DTYPE]
-    )
+    config = worker_job(llama_path, url, tmp_path, dtype=DTYPE, layers=ASKED)
     with local_ray(1):
         queue = ShardQueueActor.remote([0, 1], lease_seconds=60)
         worker = NodeWorker.options(resources={"sglang_node": 1}).remote(config, queue)

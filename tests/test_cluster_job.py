@@ -35,9 +35,9 @@ from cluster.plan import build_plan
 from cluster.report import ProgressMeter
 from cluster.shard_queue import ShardQueueActor
 from cluster.verify import verify
-from store.export import FORMATS, export
-from store.format import Store, create_store
-from store.reader import HiddenStatesDataset
+from hsx_store.export import FORMATS, export
+from hsx_store.format import Store, create_store
+from hsx_store.reader import HiddenStatesDataset
 from tests.test_model_identity import fine_tuned_copy
 from tests.test_node_worker import assert_store_matches_reference
 from tools.ray_head import private_temp_dir
@@ -598,4 +598,4 @@ def test_the_progress_line_counts_a_shard_committed_between_its_reads(
     driver.workers[ray.put(None)] = _Running("node", "w", worker)
     meter = ProgressMeter(total_samples=6, total_tokens=60)
 
-    assert "samples 3/6" in driver._progress_line(meter, queue)
+    assert "samples 3/6" in driver._progress(meter, queue)[0]

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import requests
 
-from store.format import Store
+from hsx_store.format import Store
 from tools import demo
 from tools.s3_server import S3Server
 

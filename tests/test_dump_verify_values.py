@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from actors import dump_verify
-from actors.dump_verify import _first_non_finite_row
+from actors.dump_checks import _first_non_finite_row
 
 
 def whole_tensor_answer(x: torch.Tensor) -> int | None:

@@ -22,7 +22,7 @@ from safetensors import safe_open
 from safetensors.torch import load_file
 
 from actors.shard_writer import ShardWriter
-from store.export import (
+from hsx_store.export import (
     ExportConflict,
     ExportError,
     _exclusive,
@@ -30,9 +30,9 @@ from store.export import (
     read_exported,
     sample_path,
 )
-from store.export import export as export_as_asked
-from store.format import create_store
-from store.reader import HiddenStatesDataset, HiddenStatesIterable
+from hsx_store.export import export as export_as_asked
+from hsx_store.format import create_store
+from hsx_store.reader import HiddenStatesDataset, HiddenStatesIterable
 from tests.test_reader import assert_sample_exact, partly_written_store
 from tests.test_store import NUM_AUX, H, manifest, new_store, plan, sample_bits
 
@@ -302,9 +302,9 @@ def test_cli_exits_0_on_success_1_on_errors_2_without_a_store(
 
 def test_specforge_layer_ids_follow_the_model_family(deepseek_path: Path, llama_path: Path) -> None:
     """SpecForge is told the ids SGLang is asked for: Llama adds 1, DeepSeek takes them as given."""
-    from store.export import _specforge_layers
-    from store.format import make_manifest
-    from store.layers import expected_capture
+    from hsx_store.export import _specforge_layers
+    from hsx_store.format import make_manifest
+    from hsx_store.layers import expected_capture
 
     for path, requested in ((deepseek_path, [0, 1, 3]), (llama_path, [0, 3, 6])):
         capture = expected_capture(path, requested, "bfloat16")

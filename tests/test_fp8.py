@@ -11,11 +11,11 @@ import torch
 from safetensors.torch import load_file
 
 from actors.shard_writer import ShardWriter
-from store.export import export, read_exported, sample_path
-from store.format import Store
-from store.fp8 import dequantize, quantize
-from store.reader import HiddenStatesDataset, HiddenStatesIterable
-from store.verify import verify_store
+from hsx_store.export import export, read_exported, sample_path
+from hsx_store.format import Store
+from hsx_store.fp8 import dequantize, quantize
+from hsx_store.integrity import verify_store
+from hsx_store.reader import HiddenStatesDataset, HiddenStatesIterable
 from tests.test_store import LENGTHS, NUM_AUX, H, new_store
 
 # e4m3 keeps 3 mantissa bits: a normal value's rounding error is at most 2 ** -4 relative.

@@ -10,9 +10,9 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from store.format import make_manifest
-from store.layers import expected_capture
-from store.model_identity import (
+from hsx_store.format import make_manifest
+from hsx_store.layers import expected_capture
+from hsx_store.model_identity import (
     BLOCK_BYTES,
     BLOCKS,
     HEAD_BYTES,

@@ -17,12 +17,13 @@ import torch
 from transformers import AutoTokenizer
 
 from actors.calibration import CalibrationError
-from actors.node_worker import ModelMismatch, NodeWorker, WorkerConfig
+from actors.config import WorkerJobConfig
+from actors.node_worker import ModelMismatch, NodeWorker
 from actors.sglang_server import ServerError
 from cluster.shard_queue import ShardQueueActor
-from store.format import Store, create_store, make_manifest
-from store.layers import expected_capture
-from store.reader import HiddenStatesDataset
+from hsx_store.format import Store, create_store, make_manifest
+from hsx_store.layers import expected_capture
+from hsx_store.reader import HiddenStatesDataset
 from tests.hf_reference import TOLERANCE, assert_matches
 from tests.local_ray import local_ray
 from tests.test_model_identity import fine_tuned_copy
@@ -74,23 +75,34 @@ def plan_store(model_path: Path, url: Path, count: int, per_shard: int) -> Store
     return create_store(url, manifest, names, ids, masks)
 
 
-def worker_config(model_path: Path, store_url: Path, tmp_path: Path, **overrides) -> WorkerConfig:
-    defaults = dict(
-        model_path=str(model_path),
-        store_url=str(store_url),
-        aux_layer_ids=LAYERS,
-        server_args=["--dtype", DTYPE],
-        inflight=4,
-        dump_root=str(tmp_path),
-        log_root=str(tmp_path),
-        heartbeat_seconds=0.5,
-        restart_backoff=0.5,
-        server_start_timeout=240,
+def worker_job(
+    model_path: Path,
+    store_url: Path,
+    tmp_path: Path,
+    *,
+    dtype: str = DTYPE,
+    layers: list[int] | None = LAYERS,
+    server: dict | None = None,
+    worker: dict | None = None,
+) -> WorkerJobConfig:
+    """A worker's config for tests: short timeouts, files under tmp_path."""
+    return WorkerJobConfig.model_validate(
+        {
+            "model": {"path": str(model_path), "dtype": dtype, "aux_layer_ids": layers},
+            "store": {"url": str(store_url)},
+            "server": {"start_timeout_s": 240, "restart_backoff_s": 0.5, **(server or {})},
+            "worker": {
+                "inflight": 4,
+                "dump_root": str(tmp_path),
+                "log_root": str(tmp_path),
+                "heartbeat_s": 0.5,
+                **(worker or {}),
+            },
+        }
     )
-    return WorkerConfig(**{**defaults, **overrides})
 
 
-def start_worker(config: WorkerConfig, queue: ray.actor.ActorHandle, written: int) -> tuple:
+def start_worker(config: WorkerJobConfig, queue: ray.actor.ActorHandle, written: int) -> tuple:
     """Start a worker's run and return (worker, run) once it has written `written` samples."""
     worker = NodeWorker.options(resources={"sglang_node": 1}).remote(config, queue)
     run = worker.run.remote()
@@ -159,7 +171,7 @@ def test_worker_writes_two_shards_matching_reference_and_plan(
     planned_ids = np.asarray(store.group["input_ids"][:]).copy()
     planned_mask = np.asarray(store.group["loss_mask"][:]).copy()
     queue = ShardQueueActor.remote(range(len(store.shards)), lease_seconds=60)
-    config = worker_config(deepseek_path, tmp_path / "store.zarr", tmp_path, dp_size=2)
+    config = worker_job(deepseek_path, tmp_path / "store.zarr", tmp_path, server={"dp_size": 2})
     worker = NodeWorker.options(resources={"sglang_node": 1}).remote(config, queue)
 
     run, rank_folders, deadline = worker.run.remote(), set(), time.monotonic() + 600
@@ -201,7 +213,7 @@ def test_an_fp8_store_written_by_a_worker_dequantizes_to_the_reference(
     url = tmp_path / "store.zarr"
     create_store(url, manifest, [f"sample-{i}" for i in range(6)], ids, masks)
     queue = ShardQueueActor.remote([0], lease_seconds=60)
-    config = worker_config(llama_path, url, tmp_path, server_args=["--dtype", "bfloat16"])
+    config = worker_job(llama_path, url, tmp_path, dtype="bfloat16")
     worker = NodeWorker.options(resources={"sglang_node": 1}).remote(config, queue)
     (summary,) = ray.get(worker.run.remote(), timeout=600)
     assert summary["written"] == 6 and not summary["failed"]
@@ -242,7 +254,7 @@ def test_server_killed_mid_shard_is_restarted_and_the_shard_completes(
 ) -> None:
     store = plan_store(deepseek_path, tmp_path / "store.zarr", count=24, per_shard=24)
     queue = ShardQueueActor.remote(range(len(store.shards)), lease_seconds=60)
-    config = worker_config(deepseek_path, tmp_path / "store.zarr", tmp_path, inflight=2)
+    config = worker_job(deepseek_path, tmp_path / "store.zarr", tmp_path, worker={"inflight": 2})
     worker, run = start_worker(config, queue, written=3)
     os.killpg(ray.get(worker.server_pid.remote()), signal.SIGKILL)
     # The new server dumps into a folder of its own (its writer makes it once the dead one's
@@ -266,7 +278,7 @@ def test_calibration_refuses_a_server_whose_layers_differ_from_the_manifest(
 ) -> None:
     plan_store(deepseek_path, tmp_path / "store.zarr", count=2, per_shard=2)
     queue = ShardQueueActor.remote([0], lease_seconds=60)
-    config = worker_config(deepseek_path, tmp_path / "store.zarr", tmp_path, aux_layer_ids=[0, 2])
+    config = worker_job(deepseek_path, tmp_path / "store.zarr", tmp_path, layers=[0, 2])
     worker = NodeWorker.options(resources={"sglang_node": 1}).remote(config, queue)
     with pytest.raises(
         CalibrationError, match=r"layer_ids: server \[0, 2\] != manifest \[0, 1, 3\]"
@@ -282,7 +294,7 @@ def test_a_worker_whose_node_has_another_checkpoint_refuses_before_any_work(
     plan_store(deepseek_path, tmp_path / "store.zarr", count=2, per_shard=2)
     queue = ShardQueueActor.remote([0], lease_seconds=60)
     tuned = fine_tuned_copy(deepseek_path, tmp_path / "tuned")  # the node's copy at model.path
-    config = worker_config(tuned, tmp_path / "store.zarr", tmp_path)
+    config = worker_job(tuned, tmp_path / "store.zarr", tmp_path)
     worker = NodeWorker.options(resources={"sglang_node": 1}).remote(config, queue)
     with pytest.raises(ModelMismatch, match=f"{tuned}: weights_fingerprint"):
         ray.get(worker.run.remote(), timeout=120)
@@ -296,7 +308,7 @@ def test_worker_whose_lease_is_revoked_stops_writing_and_does_not_commit(
 ) -> None:
     store = plan_store(deepseek_path, tmp_path / "store.zarr", count=40, per_shard=40)
     queue = ShardQueueActor.remote([0], lease_seconds=60)
-    config = worker_config(deepseek_path, tmp_path / "store.zarr", tmp_path, inflight=1)
+    config = worker_job(deepseek_path, tmp_path / "store.zarr", tmp_path, worker={"inflight": 1})
     worker, run = start_worker(config, queue, written=2)
     # The shard is revoked and handed to another holder at once (Ray runs one caller's calls
     # to an actor in order), so this worker cannot lease it again; it waits for work.
@@ -331,8 +343,8 @@ def test_worker_fails_with_the_log_tail_when_the_server_cannot_start(
 ) -> None:
     plan_store(deepseek_path, tmp_path / "store.zarr", count=2, per_shard=2)
     queue = ShardQueueActor.remote([0], lease_seconds=60)
-    config = worker_config(
-        deepseek_path, tmp_path / "store.zarr", tmp_path, server_args=["--no-such-flag"]
+    config = worker_job(
+        deepseek_path, tmp_path / "store.zarr", tmp_path, server={"extra_args": ["--no-such-flag"]}
     )
     worker = NodeWorker.options(resources={"sglang_node": 1}).remote(config, queue)
     with pytest.raises(ServerError, match="no-such-flag") as failure:

@@ -22,12 +22,12 @@ from torch.utils.data import DataLoader
 from actors.lease_keeper import LeaseLost
 from actors.shard_writer import ShardWriter
 from cluster.shard_queue import ShardQueue
-from store.export import FORMATS
-from store.format import Store
-from store.location import SinglePutObjectStore, StoreAccessError, open_location
-from store.object_rows import _ChunkSource
-from store.reader import HiddenStatesDataset, HiddenStatesIterable, token_arrays
-from store.verify import verify_store
+from hsx_store.export import FORMATS
+from hsx_store.format import Store
+from hsx_store.integrity import verify_store
+from hsx_store.location import SinglePutObjectStore, StoreAccessError, open_location
+from hsx_store.object_rows import _ChunkSource
+from hsx_store.reader import HiddenStatesDataset, HiddenStatesIterable, token_arrays
 from tests.test_cluster_job import job_config, write_prompts
 from tests.test_export import assert_same, export, exported_files
 from tests.test_reader import partly_written_store

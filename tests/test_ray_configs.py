@@ -17,7 +17,6 @@ import pytest
 import yaml
 
 from cluster.config import JobConfig, load_config
-from cluster.driver import worker_config
 
 RAY_CONFIGS = Path(__file__).resolve().parent.parent / "ray_configs"
 JOB_FILES = sorted(RAY_CONFIGS.glob("*_job.yaml"))
@@ -221,7 +220,7 @@ def test_kimi_server_args_parse_with_the_installed_sglang() -> None:
     server_args.ServerArgs.add_cli_args(parser)
     config = load_config(RAY_CONFIGS / "kimi_k25_job.yaml")
     argv = ["--model-path", config.model.path, "--tp-size", "8"]
-    parsed, unknown = parser.parse_known_args(argv + worker_config(config).server_args)
+    parsed, unknown = parser.parse_known_args(argv + config.server_args())
     assert unknown == []
     assert parsed.trust_remote_code is True
     assert parsed.context_length == 8448 and parsed.chunked_prefill_size == 8192

@@ -13,11 +13,11 @@ import torch
 from torch.utils.data import DataLoader
 
 from actors.shard_writer import ShardWriter
-from store.buffers import RecycledBuffers
-from store.file_rows import FileRows
-from store.format import Store, StoreFormatError
-from store.read_ahead import Block
-from store.reader import HiddenStatesDataset, HiddenStatesIterable, token_arrays
+from hsx_store.buffers import RecycledBuffers
+from hsx_store.file_rows import FileRows
+from hsx_store.format import Store, StoreFormatError
+from hsx_store.read_ahead import Block
+from hsx_store.reader import HiddenStatesDataset, HiddenStatesIterable, token_arrays
 from tests.test_store import NUM_AUX, H, as_input, new_store, plan, sample_bits, write_shard
 
 

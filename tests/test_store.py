@@ -16,8 +16,8 @@ import zarr
 from actors.lease_keeper import LeaseKeeper, LeaseLost
 from actors.shard_writer import ShardWriter
 from cluster.shard_queue import ShardQueue
-from store.builder import PlanDiverged, StoreBuilder
-from store.format import (
+from hsx_store.builder import PlanDiverged, StoreBuilder
+from hsx_store.format import (
     BF16_ATTR,
     SCHEMA_VERSION,
     Manifest,
@@ -28,8 +28,8 @@ from store.format import (
     layout,
     make_manifest,
 )
-from store.location import StoreAccessError
-from store.verify import verify_store
+from hsx_store.integrity import verify_store
+from hsx_store.location import StoreAccessError
 
 H, NUM_AUX, CHUNK, PER_SHARD = 8, 3, 8, 4
 LENGTHS = [5, 1, 13, 8, 3, 20, 2, 7, 9, 16, 4]  # 11 samples: 3 shards, the last one short

@@ -24,9 +24,9 @@ from safetensors.torch import load_file
 
 from cluster.config import parse_config
 from cluster.driver import run_job
-from store.export import export
-from store.format import Store
-from store.reader import HiddenStatesDataset
+from hsx_store.export import export
+from hsx_store.format import Store
+from hsx_store.reader import HiddenStatesDataset
 from tests.hf_reference import reference_model
 from tests.local_ray import local_ray
 

@@ -19,9 +19,9 @@ from cluster.config import parse_config
 from cluster.driver import run_job
 from cluster.verify import main, recompute_choice
 from cluster.verify import verify as verify_command
-from store.format import Manifest, Store, create_store
-from store.layers import requested_layer_ids, resolve_layer_ids
-from store.verify import CHECKS, VerifyReport
+from hsx_store.format import Manifest, Store, create_store
+from hsx_store.integrity import CHECKS, VerifyReport
+from hsx_store.layers import requested_layer_ids, resolve_layer_ids
 from tests.local_ray import local_ray as start_local_ray
 from tests.test_store import LENGTHS, NUM_AUX, H
 from tests.test_store import manifest as store_manifest
@@ -302,7 +302,7 @@ def test_non_finite_values_in_a_written_sample_are_named(tmp_path: Path, dtype: 
 
 
 def test_values_are_read_in_bounded_blocks(tmp_path: Path) -> None:
-    from store.verify import row_flags
+    from hsx_store.integrity import row_flags
 
     path = build_store(tmp_path / "s.zarr")
     arr = zarr.open_group(path, mode="r")["aux_hidden_states"]

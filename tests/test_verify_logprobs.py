@@ -1,4 +1,4 @@
-"""`verify --logprobs` (cluster/verify_logprobs.py): the output head found in small safetensors
+"""`verify --logprobs` (cluster/verify/logprobs.py): the output head found in small safetensors
 checkpoints by each of its names, the blocked log-softmax against a whole one, and on
 llama-tiny in bf16 a store captured by a real server passes while one sample's final rows
 replaced by another's, or shifted by one token, fail naming that sample (slow). The float32
@@ -20,7 +20,7 @@ from transformers import AutoTokenizer
 from actors.capture_client import generate_and_capture, wait_for_dump
 from actors.shard_writer import ShardWriter
 from cluster.verify import main
-from cluster.verify_logprobs import (
+from cluster.verify.logprobs import (
     Reference,
     RowLogprobs,
     check_logprobs,
@@ -28,12 +28,12 @@ from cluster.verify_logprobs import (
     reference_logprobs,
     unsupported_head,
 )
-from cluster.verify_server import VerifyServer
+from cluster.verify.server import VerifyServer
+from hsx_store.format import Store, create_store, make_manifest
+from hsx_store.integrity import VerifyReport, verify_store
+from hsx_store.layers import expected_capture
+from hsx_store.lm_head import LMHeadError, find_lm_head, load_lm_head
 from patches.dump_files import read_dump, release_dump
-from store.format import Store, create_store, make_manifest
-from store.layers import expected_capture
-from store.lm_head import LMHeadError, find_lm_head, load_lm_head
-from store.verify import VerifyReport, verify_store
 
 # -- the head, read alone ------------------------------------------------------------------------
 

@@ -19,7 +19,7 @@ written (fill value), and both read back as zeros. The rounding error per value 
 
 Non-finite input is refused (ValueError naming the row), never stored: e4m3fn has no inf,
 and a NaN turned into a finite number would hide it. Captures are checked for finiteness
-before they are written (actors/dump_verify.py), so this only guards the writer's contract.
+before they are written (actors/dump_checks.py), so this only guards the writer's contract.
 
 Quantizing works on blocks of rows of QUANT_BLOCK_BYTES (as float32), so its extra memory is
 one small block whatever the sample's size; the reductions and the scaling run in numpy on the

@@ -32,7 +32,7 @@ import obstore.exceptions
 import zarr
 from zarr.core.sync import sync
 
-from store.format import (
+from hsx_store.format import (
     PER_SAMPLE_BLOCK,
     PER_SHARD_BLOCK,
     Manifest,
@@ -43,7 +43,7 @@ from store.format import (
     plan_digest,
     stored_arrays,
 )
-from store.location import StoreAccessError, describe_failure, first_key, open_location
+from hsx_store.location import StoreAccessError, describe_failure, first_key, open_location
 
 FLUSH_SHARDS = 64  # shards written together (one call per array); the caller flushes sooner
 

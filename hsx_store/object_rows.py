@@ -28,8 +28,8 @@ from zarr.codecs import BytesCodec
 from zarr.core.sync import _get_loop, sync
 from zarr.storage import ObjectStore
 
-from store.buffers import RecycledBuffers
-from store.read_ahead import Block, PendingRows, Rows, read_ahead
+from hsx_store.buffers import RecycledBuffers
+from hsx_store.read_ahead import Block, PendingRows, Rows, read_ahead
 
 CONCURRENCY = 8  # chunk GETs in flight: past ~8, loopback S3 (moto) gained nothing more here
 PREFETCH_BYTES = 256 << 20  # chunk bytes fetched ahead of the consumer's block

@@ -1,8 +1,8 @@
 """`verify --logprobs N`: do the stored final states give the model's own next-token logprobs?
 
-A check that scales to Kimi-K2.5: it needs the model's output head alone (store/lm_head.py,
+A check that scales to Kimi-K2.5: it needs the model's output head alone (hsx_store/lm_head.py,
 ~2.3 GB in bf16, not a second copy of a ~600 GB model, no HF transformers) and the patched
-server that `verify` starts anyway (cluster/verify_server.py, shared with `--recompute`).
+server that `verify` starts anyway (cluster/verify/server.py, shared with `--recompute`).
 
 For N seeded random written samples of committed shards (the recompute's choice), the server
 prefills the stored `input_ids` once with `return_logprob`, `logprob_start_len=0` and
@@ -31,14 +31,14 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 import numpy as np
 import torch
 
-from store.format import Store
-from store.lm_head import load_lm_head, text_config
-from store.model_identity import model_mismatches
-from store.verify import VerifyReport, describe_logprobs
+from cluster.verify.model_check import ModelCheck
+from cluster.verify.server import VerifyServer
+from hsx_store.format import Store
+from hsx_store.integrity import VerifyReport, describe_logprobs
+from hsx_store.lm_head import load_lm_head, text_config
 
 if TYPE_CHECKING:
     from actors.sglang_server import SGLangServer
-    from cluster.verify_server import VerifyServer
 
 BLOCK_BYTES = 64 << 20  # float32 logits (and head rows) computed at once
 UNSUPPORTED_CONFIG = ("logit_scale", "final_logit_softcapping")
@@ -207,26 +207,51 @@ def unsupported_head(model_path: Path) -> str | None:
     return f"its config sets {scaled}: logits SGLang scales or caps" if scaled else None
 
 
-@dataclass
-class _LogprobCheck:
-    store: Store
-    report: VerifyReport
-    head: torch.Tensor
-    server: SGLangServer
-    say: Callable[[str], None]
+class LogprobCheck(ModelCheck):
+    """The stored post-norm final states through the lm_head against the server's logprobs."""
 
-    def label(self, i: int) -> str:
-        return f"{i} ({self.store.group['sample_id'][i]})"
+    name = "logprobs"
+    cannot = "cannot check logprobs"
 
-    def one(self, i: int) -> LogprobResult:
-        ids = np.asarray(self.store.group["input_ids"][self.store.sample_rows(i)]).astype(np.int64)
+    def skip_reason(self) -> str | None:
+        if self.store.manifest.dtype not in TOLERANCE:
+            measured = " and ".join(TOLERANCE)
+            return f"its bounds are measured for {measured} stores, not {self.store.manifest.dtype}"
+        return None
+
+    def model_problems(self) -> list[str]:
+        assert self.server is not None
+        path = self.server.model_path
+        unsupported = unsupported_head(path)
+        return [f"{path}: {unsupported}, the check computes plain ones"] if unsupported else []
+
+    def run_on(self, samples: list[int]) -> None:
+        assert self.server is not None
+        head = load_lm_head(self.server.model_path, self.store.manifest.hidden_size)
+        server, _ = self.server.get(self.store)
+        results: list[dict[str, Any]] = []
+        self.report.checked["logprobs"] = results
+        for i in samples:
+            try:
+                results.append(asdict(self.one(server, head, i)))
+            except Exception as exc:
+                self.report.error(
+                    "logprobs",
+                    f"sample {self.label(i)}: logprob check failed: {type(exc).__name__}: {exc}",
+                )
+                if not server.alive():
+                    self.report.error("logprobs", "the SGLang server died; stopping")
+                    break
+
+    def one(self, server: SGLangServer, head: torch.Tensor, i: int) -> LogprobResult:
+        ids = self.input_ids(i)
         rid = f"verify-logprobs-s{i}-{uuid.uuid4().hex[:8]}"  # no "hsx-": not captured
-        theirs = server_logprobs(self.server, rid, ids.tolist())
+        theirs = server_logprobs(server, rid, ids.tolist())
         # Per row: token t+1 (the last row has none: its top-1 stands in) and the server's top-1.
         asked = torch.stack(
             [torch.cat([torch.from_numpy(ids[1:]), theirs.top1_id[-1:]]), theirs.top1_id], dim=1
         )
-        ours = reference_logprobs(stored_final(self.store, i), self.head, asked)
+        ours = reference_logprobs(stored_final(self.store, i), head, asked)
         bounds = TOLERANCE[self.store.manifest.dtype]
         result = compare(i, str(self.store.group["sample_id"][i]), ours, theirs, bounds.tie)
         return self.judge(result, bounds)
@@ -246,21 +271,6 @@ class _LogprobCheck:
         self.say(f"logprobs {describe_logprobs(asdict(r))}")
         return r
 
-    def run(self, samples: list[int]) -> None:
-        results: list[dict[str, Any]] = []
-        self.report.checked["logprobs"] = results
-        for i in samples:
-            try:
-                results.append(asdict(self.one(i)))
-            except Exception as exc:
-                self.report.error(
-                    "logprobs",
-                    f"sample {self.label(i)}: logprob check failed: {type(exc).__name__}: {exc}",
-                )
-                if not self.server.alive():
-                    self.report.error("logprobs", "the SGLang server died; stopping")
-                    break
-
 
 def check_logprobs(
     store: Store,
@@ -271,33 +281,5 @@ def check_logprobs(
     seed: int,
     say: Callable[[str], None],
 ) -> str | None:
-    """The check, as store.verify.verify_store runs it: a skip reason or None."""
-    from cluster.verify import model_check_samples  # cluster.verify imports this module
-
-    samples = model_check_samples(store, report, server, count, seed, "logprobs")
-    if isinstance(samples, str):
-        return samples
-    if store.manifest.dtype not in TOLERANCE:
-        measured = " and ".join(TOLERANCE)
-        return f"its bounds are measured for {measured} stores, not {store.manifest.dtype}"
-    assert server is not None
-    model_path = server.model_path
-    problems = [
-        f"{p}: not the model that made the store"
-        for p in model_mismatches(model_path, store.manifest)
-    ]
-    if unsupported := unsupported_head(model_path):
-        problems.append(f"{model_path}: {unsupported}, the check computes plain ones")
-    for problem in problems:
-        report.error("logprobs", problem)
-    if problems:
-        return None
-    say(f"logprobs: samples {samples} (seed {seed})")
-    try:
-        head = load_lm_head(model_path, store.manifest.hidden_size)
-        running, _ = server.get(store)
-    except Exception as exc:  # no head, no server, failed calibration
-        report.error("logprobs", f"cannot check logprobs: {type(exc).__name__}: {exc}")
-        return None
-    _LogprobCheck(store, report, head, running, say).run(samples)
-    return None
+    """The check, as hsx_store.integrity.verify_store runs it: a skip reason or None."""
+    return LogprobCheck(store, report, server, say).check(count, seed)

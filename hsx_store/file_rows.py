@@ -25,8 +25,8 @@ import zarr
 from zarr.codecs import BytesCodec
 from zarr.storage import LocalStore
 
-from store.buffers import RecycledBuffers
-from store.read_ahead import Block, PendingRows, Rows, read_ahead
+from hsx_store.buffers import RecycledBuffers
+from hsx_store.read_ahead import Block, PendingRows, Rows, read_ahead
 
 READ_THREADS = 8  # reads in flight: cold, 2 to 16 read within noise of each other here
 PREFETCH_BYTES = 128 << 20  # bytes of blocks read ahead of the consumer's

@@ -12,7 +12,7 @@ import numpy as np
 import torch
 
 from actors.calibration import Calibration
-from store.format import Manifest
+from hsx_store.format import Manifest
 
 
 class DumpMismatch(ValueError):

@@ -22,8 +22,8 @@ without its handle), and refused if its schema version is unknown (`StoreFormatE
 A store on object storage cannot be read in a forked DataLoader worker (use 'spawn').
 
 Local chunk files are read straight into the samples' buffers, several at a time
-(store/file_rows.py); remote chunk objects are fetched whole, several at a time
-(store/object_rows.py); the sequential reader reads ahead of its consumer on both.
+(hsx_store/file_rows.py); remote chunk objects are fetched whole, several at a time
+(hsx_store/object_rows.py); the sequential reader reads ahead of its consumer on both.
 """
 
 from __future__ import annotations
@@ -36,13 +36,13 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset, IterableDataset, get_worker_info
 
-from store import file_rows, object_rows
-from store.file_rows import FileRows
-from store.format import STATUS_WRITTEN, Manifest, Shard, Store, stored_arrays
-from store.fp8 import FP8_DTYPE, as_float8, dequantize, scale_name
-from store.location import is_remote
-from store.object_rows import RemoteRows
-from store.read_ahead import Block
+from hsx_store import file_rows, object_rows
+from hsx_store.file_rows import FileRows
+from hsx_store.format import STATUS_WRITTEN, Manifest, Shard, Store, stored_arrays
+from hsx_store.fp8 import FP8_DTYPE, as_float8, dequantize, scale_name
+from hsx_store.location import is_remote
+from hsx_store.object_rows import RemoteRows
+from hsx_store.read_ahead import Block
 
 Sample = dict[str, Any]
 Fp8Mode = Literal["dequantize", "raw"]
@@ -217,8 +217,8 @@ class HiddenStatesIterable(_VisibleSamples, IterableDataset):
 
     The next blocks are read while the consumer works on the current one, at most
     `concurrency` reads in flight and about `prefetch_bytes` ahead (at least the next block).
-    Defaults: local files 8 reads and 128 MB (store/file_rows.py); object storage 8 GETs and
-    256 MB of whole chunk objects, each fetched once (store/object_rows.py)."""
+    Defaults: local files 8 reads and 128 MB (hsx_store/file_rows.py); object storage 8 GETs and
+    256 MB of whole chunk objects, each fetched once (hsx_store/object_rows.py)."""
 
     def __init__(
         self,

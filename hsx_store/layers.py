@@ -70,7 +70,7 @@ def resolve_layer_ids(config: dict, requested: list[int] | None) -> list[int]:
 
 def requested_layer_ids(config: dict[str, Any], resolved: Sequence[int]) -> list[int]:
     """The `--return-aux-hidden-state-layer-ids` that make SGLang capture the HF indices
-    `resolved` (the inverse of store.layers.resolve_layer_ids). DeepSeek-style models take ids
+    `resolved` (the inverse of hsx_store.layers.resolve_layer_ids). DeepSeek-style models take ids
     as given unless the first is 1: a resolved [1, ...] is asked for with 1 moved last. Llama and
     the rest add 1: ask for each id minus 1 (the embeddings, 0, cannot be asked for)."""
     resolved = sorted(int(i) for i in resolved)

@@ -20,7 +20,7 @@ One Zarr v3 group, flat and token-major; sample i owns rows `sample_rows(i)` of 
 
 (*) only where the manifest's `final_states` holds "pre_norm" (the default of new stores).
 
-The plan streams in (store/builder.py): the driver creates every array empty and writes the
+The plan streams in (hsx_store/builder.py): the driver creates every array empty and writes the
 group attribute `created`, then appends planned shards group by group, each shard's digest in
 `shard_plan_sha256` after its rows, so a shard is planned exactly when its digest is there;
 workers capture planned shards while later ones are still being planned. `planned` is written
@@ -63,9 +63,9 @@ import obstore.exceptions
 import zarr
 from zarr.codecs import ZstdCodec
 
-from store.fp8 import FP8_ATTR, FP8_DTYPE, scale_name
-from store.location import StoreAccessError, describe_failure, first_key, open_location
-from store.model_identity import model_identity
+from hsx_store.fp8 import FP8_ATTR, FP8_DTYPE, scale_name
+from hsx_store.location import StoreAccessError, describe_failure, first_key, open_location
+from hsx_store.model_identity import model_identity
 
 # 2: the `created` marker and `shard_plan_sha256`; 3: `weights_fingerprint`; 4: a plan streamed
 # into the store (`planned`, arrays grown as shards are planned); 5: `final_states` (the pre-norm
@@ -169,7 +169,7 @@ class Manifest:
     model: str
     model_config_hash: str  # sha256 of config.json
     tokenizer_hash: str  # sha256 of tokenizer.json
-    weights_fingerprint: str | None  # store/model_identity.py; None: a schema-2 store
+    weights_fingerprint: str | None  # hsx_store/model_identity.py; None: a schema-2 store
     chat_template_hash: str | None
     layer_ids: list[int]  # resolved HF hidden_states indices, ascending
     layer_convention: str
@@ -371,9 +371,9 @@ def create_store(
     storage_options: Mapping[str, Any] | None = None,
 ) -> Store:
     """A store planned from a whole plan in memory (tests, tools; the driver streams through
-    store/builder.py). `job`: what the plan was made from, kept for resume checks. Fails if
+    hsx_store/builder.py). `job`: what the plan was made from, kept for resume checks. Fails if
     something already exists there, unless `overwrite`."""
-    from store.builder import StoreBuilder
+    from hsx_store.builder import StoreBuilder
 
     if not len(sample_ids) == len(input_ids) == len(loss_masks):
         raise ValueError("sample_ids, input_ids and loss_masks differ in length")
@@ -435,7 +435,14 @@ class Store:
         """Raises zarr's GroupNotFoundError where no store is, StoreAccessError where the
         location cannot be used, StoreFormatError for anything else than a store."""
         group = open_group(url, mode, storage_options)
-        attrs = group.attrs.asdict()
+        return cls.from_opened_group(group, group.attrs.asdict(), url)
+
+    @classmethod
+    def from_opened_group(
+        cls, group: zarr.Group, attrs: Mapping[str, Any], url: str | Path
+    ) -> Store:
+        """Store.open on a group already opened (and its attributes already read), so a
+        caller that looked at them first reads `zarr.json` once."""
         if "manifest" not in attrs:
             raise StoreFormatError(f"{url}: no manifest, not a hidden-state store")
         manifest = Manifest.from_json(attrs["manifest"])  # refuses other schema versions

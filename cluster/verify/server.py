@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from store.format import Store
+from hsx_store.format import Store
 
 if TYPE_CHECKING:
     from actors.sglang_server import SGLangServer
@@ -51,8 +51,8 @@ class VerifyServer:
 
         from actors.calibration import PROBE_TEXT, calibrate
         from actors.sglang_server import ServerSpec, SGLangServer
+        from hsx_store.layers import model_config, requested_layer_ids
         from patches.settings import CaptureSettings
-        from store.layers import model_config, requested_layer_ids
 
         m = store.manifest
         on_gpu = torch.cuda.is_available()

@@ -33,7 +33,7 @@ each reported OK / FAIL / SKIP by name:
              error; bit-exact is not expected, batching differs).
 - logprobs:  with a model and N > 0, N seeded random written samples: the logprobs the server
              gives their prompts against log_softmax(stored final state @ the model's lm_head)
-             (top-1 agreement, max / mean error; cluster/verify_logprobs.py).
+             (top-1 agreement, max / mean error; cluster/verify/logprobs.py).
 
 Exit status (`VerifyReport.exit_code`): 0 no errors, 1 errors, 2 the store cannot be read.
 """
@@ -52,7 +52,7 @@ import numpy as np
 import zarr
 from zarr.core.sync import sync
 
-from store.format import (
+from hsx_store.format import (
     PER_SAMPLE_BLOCK,
     PER_SHARD_BLOCK,
     READABLE_SCHEMA_VERSIONS,
@@ -68,8 +68,8 @@ from store.format import (
     plan_digest,
     stored_arrays,
 )
-from store.fp8 import FP8_DTYPE, scale_name
-from store.location import StoreAccessError, describe_failure
+from hsx_store.fp8 import FP8_DTYPE, scale_name
+from hsx_store.location import StoreAccessError, describe_failure
 
 CHECKS = (
     "manifest",
@@ -329,7 +329,7 @@ def open_store(
     store = None
     if not problems:
         try:
-            store = Store.open(url, mode="r", storage_options=storage_options)
+            store = Store.from_opened_group(group, attrs, url)
         except Exception as exc:
             problems = [f"{url}: Store.open refuses it: {type(exc).__name__}: {exc}"]
     for problem in problems:

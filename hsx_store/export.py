@@ -46,7 +46,7 @@ default `[1, L // 2 - 1, L - 4]`; `modeling/draft/llama3_eagle.py`: the draft's 
 `3 * hidden_size`. The layer ids are SGLang capture ids, which SGLang's
 `set_eagle3_layers_to_capture` resolves per model family (Llama-style models add 1,
 DeepSeek-style take them as given unless the first is 1): export.json records the ids that
-resolve to this store's HF indices as `specforge_aux_layers` (store.layers.requested_layer_ids;
+resolve to this store's HF indices as `specforge_aux_layers` (hsx_store.layers.requested_layer_ids;
 null when the model's config.json is not readable where it runs).
 
 vLLM speculators 0.9.0 (vllm-project/speculators), `speculators train --data-path OUT ...`
@@ -123,11 +123,11 @@ import numpy as np
 import torch
 import zarr
 
-from store.format import FINAL_STATE_ARRAYS, Manifest, Store, StoreFormatError
-from store.fp8 import FP8_DTYPE, scale_name
-from store.layers import model_config, requested_layer_ids
-from store.location import StoreAccessError
-from store.reader import HiddenStatesIterable
+from hsx_store.format import FINAL_STATE_ARRAYS, Manifest, Store, StoreFormatError
+from hsx_store.fp8 import FP8_DTYPE, scale_name
+from hsx_store.layers import model_config, requested_layer_ids
+from hsx_store.location import StoreAccessError
+from hsx_store.reader import HiddenStatesIterable
 
 Format = Literal["specforge", "speculators"]
 FORMATS: tuple[str, ...] = ("specforge", "speculators")
@@ -296,7 +296,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="python -m cluster export",
         description="Export a store's committed samples to SpecForge or vLLM speculators "
-        "offline training files (resumable; see store/export.py).",
+        "offline training files (resumable; see hsx_store/export.py).",
     )
     parser.add_argument("--store", required=True, metavar="URL", help="the store (store.url)")
     parser.add_argument("--format", required=True, choices=FORMATS, help="target format")

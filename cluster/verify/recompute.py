@@ -1,9 +1,9 @@
 """`python -m cluster verify --store URL [--model PATH --recompute N]`: the store's own checks
-(store/verify.py) plus the one that needs the model, which starts a server so lives here.
+(hsx_store/integrity.py) plus the one that needs the model, which starts a server so lives here.
 
 The recompute check: a random sample of stored rows against fresh captures of the same prompts.
 
-One patched SGLang server (cluster/verify_server.py, shared with the logprob check) is started on
+One patched SGLang server (cluster/verify/server.py, shared with the logprob check) is started on
 the model (its config and tokenizer must hash as the store's manifest says), calibrated like a
 worker's, and asked for the stored input ids of each
 chosen sample twice: alone (one request at a time) and inside a batch (all chosen samples sent
@@ -30,27 +30,19 @@ server's dtype, per sample).
 
 from __future__ import annotations
 
-import argparse
-import contextlib
-import functools
 import math
-import sys
-import tempfile
 import uuid
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor, as_completed
-from dataclasses import dataclass
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from cluster.verify_logprobs import check_logprobs
-from cluster.verify_server import VerifyServer
-from store.format import STATUS_WRITTEN, Store
-from store.fp8 import FP8_DTYPE, dequantize, scale_name
-from store.model_identity import model_mismatches
-from store.verify import VerifyReport, describe_recompute, relative, verify_store
+from cluster.verify.model_check import ModelCheck
+from cluster.verify.server import VerifyServer
+from hsx_store.format import Store
+from hsx_store.fp8 import FP8_DTYPE, dequantize, scale_name
+from hsx_store.integrity import VerifyReport, describe_recompute, relative
 
 if TYPE_CHECKING:  # torch is imported where a recompute needs it: plain checks go without
     import torch
@@ -83,22 +75,6 @@ CROSS_MARGIN = 10.0
 BATCH_REQUESTS = 16
 
 
-def recompute_choice(store: Store, count: int, seed: int) -> list[int]:
-    """`count` seeded random written samples of committed shards, ascending."""
-    status = np.asarray(store.group["sample_status"][:])
-    marks = store.committed()
-    candidates = [
-        i
-        for sh in store.shards
-        if marks[sh.index]
-        for i in range(sh.sample_begin, sh.sample_end)
-        if status[i] == STATUS_WRITTEN
-    ]
-    rng = np.random.default_rng(seed)
-    picked = rng.choice(candidates, size=min(count, len(candidates)), replace=False)
-    return sorted(int(i) for i in picked)
-
-
 def row_distances(actual: torch.Tensor, reference: torch.Tensor) -> torch.Tensor:
     """Per token, the largest relative RMS difference |a - r| / |r| over its [H] rows."""
     import torch
@@ -128,31 +104,15 @@ def first_difference(a: np.ndarray, b: np.ndarray) -> int | None:
 Rows = dict[str, "torch.Tensor"]  # hidden array name -> [T, ..., H]
 
 
-@dataclass
-class _Recompute:
-    """Recompute samples on one patched server, alone and batched, and judge the stored rows."""
+class RecomputeCheck(ModelCheck):
+    """Recompute samples on the patched server, alone and batched, and judge the stored rows."""
 
-    store: Store
-    report: VerifyReport
-    model_path: Path
-    server: VerifyServer
-    say: Callable[[str], None]
+    name = "recompute"
+    cannot = "cannot recompute"
 
     @property
     def arrays(self) -> tuple[str, ...]:
         return self.store.manifest.hidden_arrays  # the dump has each too
-
-    def model_matches(self) -> bool:
-        problems = model_mismatches(self.model_path, self.store.manifest)
-        for problem in problems:
-            self.report.error("recompute", f"{problem}: not the model that made the store")
-        return not problems
-
-    def label(self, i: int) -> str:
-        return f"{i} ({self.store.group['sample_id'][i]})"
-
-    def input_ids(self, i: int) -> np.ndarray:
-        return np.asarray(self.store.group["input_ids"][self.store.sample_rows(i)]).astype(np.int64)
 
     def stored(self, i: int) -> Rows:
         import torch
@@ -189,7 +149,8 @@ class _Recompute:
             f"sample {self.label(i)}: {how} recompute failed: {type(exc).__name__}: {exc}",
         )
 
-    def run(self, samples: list[int]) -> None:
+    def run_on(self, samples: list[int]) -> None:
+        assert self.server is not None
         results: list[dict[str, Any]] = []
         self.report.checked["recomputed"] = results
         server, _ = self.server.get(self.store)
@@ -283,22 +244,6 @@ class _Recompute:
                     )
 
 
-def model_check_samples(
-    store: Store,
-    report: VerifyReport,
-    server: VerifyServer | None,
-    count: int,
-    seed: int,
-    flag: str,
-) -> list[int] | str:
-    """The samples a model check (--recompute, --logprobs) runs on, or why it is skipped."""
-    if count <= 0 or server is None:
-        return f"no --model / --{flag}"
-    if report.checks.get("commits") != "ran":
-        return "the commit check did not run"
-    return recompute_choice(store, count, seed) or "no written sample to check"
-
-
 def check_recompute(
     store: Store,
     report: VerifyReport,
@@ -308,101 +253,5 @@ def check_recompute(
     seed: int,
     say: Callable[[str], None],
 ) -> str | None:
-    samples = model_check_samples(store, report, server, count, seed, "recompute")
-    if isinstance(samples, str):
-        return samples
-    assert server is not None
-    job = _Recompute(store, report, server.model_path, server, say)
-    if not job.model_matches():
-        return None
-    say(f"recompute: samples {samples} (seed {seed})")
-    try:
-        job.run(samples)
-    except Exception as exc:  # no server, failed calibration, impossible layer ids
-        report.error("recompute", f"cannot recompute: {type(exc).__name__}: {exc}")
-    return None
-
-
-def verify(
-    url: str | Path,
-    *,
-    model_path: str | None = None,
-    recompute: int = 0,
-    logprobs: int = 0,
-    seed: int = 0,
-    dump_root: str | None = None,
-    server_args: Sequence[str] = (),
-    storage_options: Mapping[str, Any] | None = None,
-    say: Callable[[str], None] = print,
-) -> VerifyReport:
-    """Every check of `store.verify`, and with a model the recompute of `recompute` samples and
-    the logprob check of `logprobs` samples (one server for both)."""
-    if (recompute > 0 or logprobs > 0) and model_path is None:
-        raise ValueError("recompute and logprobs need model_path (--model)")
-    with contextlib.ExitStack() as stack:
-        server = None
-        if model_path is not None:
-            shm = Path("/dev/shm")
-            default_root = shm if shm.is_dir() else Path(tempfile.gettempdir())
-            root = Path(dump_root) if dump_root else default_root
-            server = stack.enter_context(
-                VerifyServer(Path(model_path), root, list(server_args), say)
-            )
-        checks = dict(server=server, seed=seed, say=say)
-        return verify_store(
-            url,
-            recompute=functools.partial(check_recompute, count=recompute, **checks),
-            logprobs=functools.partial(check_logprobs, count=logprobs, **checks),
-            storage_options=storage_options,
-            say=say,
-        )
-
-
-# -- command line ------------------------------------------------------------------------------
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m cluster verify", description=__doc__)
-    parser.add_argument("--store", required=True, help="the store's path or URL")
-    parser.add_argument("--model", help="the model directory (for --recompute, --logprobs)")
-    parser.add_argument(
-        "--recompute", type=int, default=0, metavar="N", help="recompute N random written samples"
-    )
-    parser.add_argument(
-        "--logprobs",
-        type=int,
-        default=0,
-        metavar="N",
-        help="check the final states of N random written samples against the server's logprobs",
-    )
-    parser.add_argument("--seed", type=int, default=0, help="picks the checked samples")
-    parser.add_argument("--dump-root", help="where the server's dumps go (default /dev/shm)")
-    parser.add_argument(
-        "--server-arg",
-        dest="server_args",
-        action="append",
-        default=[],
-        metavar="ARG",
-        help="extra SGLang argument, once per word: --server-arg=--dtype --server-arg=float32 "
-        "(--dtype defaults to the store's)",
-    )
-    args = parser.parse_args(sys.argv[1:] if argv is None else list(argv))
-    if (args.recompute > 0 or args.logprobs > 0) and not args.model:
-        print("error: --recompute and --logprobs need --model", file=sys.stderr)
-        return 2
-    report = verify(
-        args.store,
-        model_path=args.model,
-        recompute=args.recompute,
-        logprobs=args.logprobs,
-        seed=args.seed,
-        dump_root=args.dump_root,
-        server_args=args.server_args,
-        say=lambda text: print(text, flush=True),
-    )
-    print(report.format(), flush=True)
-    return report.exit_code
-
-
-if __name__ == "__main__":
-    sys.exit(main())
+    """The check, as hsx_store.integrity.verify_store runs it: a skip reason or None."""
+    return RecomputeCheck(store, report, server, say).check(count, seed)
