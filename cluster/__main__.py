@@ -1,12 +1,13 @@
-"""The command line.
+"""The command line: `python -m cluster COMMAND`, or `hsx COMMAND` once installed.
 
-python -m cluster run --config JOB.yaml [--set section.field=value ...]
+run --config JOB.yaml [--set section.field=value ...]
     the job's driver (the entrypoint of `ray job submit`); exit 0: every planned sample
-    written, 1: some failed or not committed, 2: a bad config or a store of another job
-python -m cluster verify --store URL [--model PATH --recompute N --logprobs N]
-    check a store's integrity (cluster/verify.py); exit 0 ok, 1 problems, 2 unreadable
-python -m cluster export --store URL --format {specforge,speculators} --out DIR [--allow-post-norm]
-    write the committed samples in a trainer's offline format (hsx_store/export.py)
+    written, 1: some failed or were not committed, 2: a bad config or a store of another job
+verify --store URL [--model PATH --recompute N --logprobs N]
+    check a store; exit 0: no problems, 1: problems, 2: not a readable store
+export --store URL --format {specforge,speculators} --out DIR [--allow-post-norm]
+    write the committed samples in a trainer's offline format; exit 0: every committed
+    sample exported, 1: an error (printed), 2: the store cannot be opened
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import importlib
 import json
 import logging
 import sys
+from pathlib import Path
 
 from cluster.config import ConfigError, load_config
 from cluster.job_store import ResumeConflict
@@ -33,8 +35,9 @@ SHORTCUTS = {  # --model X is --set model.path=X, and so on
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
+    prog = "hsx" if Path(sys.argv[0]).name == "hsx" else "python -m cluster"
     parser = argparse.ArgumentParser(
-        prog="python -m cluster", description=__doc__, formatter_class=argparse.RawTextHelpFormatter
+        prog=prog, description=__doc__, formatter_class=argparse.RawTextHelpFormatter
     )
     commands = parser.add_subparsers(dest="command", required=True)
     for name in DELEGATED:
