@@ -80,9 +80,7 @@ def node(address: str, node_id: str, gpus: int = 0, resource: float = 1.0) -> di
 class PlanningDriver(Driver):
     """The driver's slot bookkeeping, with the actor start recorded instead of made."""
 
-    def _start_worker(
-        self, node: dict, plan: NodePlan, slot: int, wconfig: Any, queue: Any
-    ) -> None:
+    def _start_worker(self, node: dict, plan: NodePlan, slot: int, queue: Any) -> None:
         self.incarnation += 1
         worker_id = f"{node['NodeManagerAddress']}-{node['NodeID'][:8]}-s{slot}-w{self.incarnation}"
         self.workers[worker_id] = _Running(node["NodeID"], worker_id, None, slot)
@@ -108,7 +106,7 @@ def test_the_driver_runs_a_worker_per_slot_and_replaces_a_lost_one_in_its_slot(
         server={"tp_size": 2},
         worker={"max_node_failures": 2},
     )
-    d._start_missing_workers(None, None)
+    d._start_missing_workers(None)
     assert sorted(d.workers) == [
         *(f"10.0.0.1-aaaaaaaa-s{s}-w{s + 1}" for s in range(4)),
         "10.0.0.2-bbbbbbbb-s0-w5",
@@ -118,12 +116,12 @@ def test_the_driver_runs_a_worker_per_slot_and_replaces_a_lost_one_in_its_slot(
     # Slot 2 of the GPU node loses its worker: the replacement takes slot 2, nothing else moves.
     del d.workers["10.0.0.1-aaaaaaaa-s2-w3"]
     d.node_failures[("a" * 16, 2)] = 1
-    d._start_missing_workers(None, None)
+    d._start_missing_workers(None)
     assert "10.0.0.1-aaaaaaaa-s2-w6" in d.workers and len(d.workers) == 5
     # ... until the slot has lost max_node_failures workers: then it stays empty.
     del d.workers["10.0.0.1-aaaaaaaa-s2-w6"]
     d.node_failures[("a" * 16, 2)] = 2
-    d._start_missing_workers(None, None)
+    d._start_missing_workers(None)
     assert len(d.workers) == 4 and not any("-s2-" in w for w in d.workers if "aaaa" in w)
 
 
@@ -132,10 +130,10 @@ def test_a_cpu_node_runs_servers_per_node_and_a_node_too_small_is_left_out(
 ) -> None:
     nodes = [node("10.0.0.1", "a" * 16), node("10.0.0.2", "b" * 16, gpus=2)]
     d, said = driver(monkeypatch, nodes, server={"tp_size": 2}, worker={"servers_per_node": 3})
-    d._start_missing_workers(None, None)
+    d._start_missing_workers(None)
     assert sorted(d.workers) == [f"10.0.0.1-aaaaaaaa-s{s}-w{s + 1}" for s in range(3)]
     too_small = "node 10.0.0.2 (bbbbbbbb) has 2 GPU(s), too few for 3 server(s) x tp_size 2"
-    d._start_missing_workers(None, None)
+    d._start_missing_workers(None)
     assert [line for line in said if "too few" in line] == [
         f"{too_small} x dp_size 1 (needs 6; see worker.servers_per_node, server.tp_size, "
         "server.dp_size): no server there"
@@ -147,7 +145,7 @@ def test_a_job_no_node_of_which_can_host_a_server_stops_with_a_config_error(
 ) -> None:
     d, _ = driver(monkeypatch, [node("10.0.0.2", "b" * 16, gpus=4)], server={"tp_size": 8})
     with pytest.raises(PlacementError, match=r"no node can host a server:\n.*10\.0\.0\.2"):
-        d._start_missing_workers(None, None)
+        d._start_missing_workers(None)
 
 
 def test_each_dp_rank_dumps_into_its_own_folder_and_is_checked_against_its_own_counter(
