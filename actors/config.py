@@ -35,9 +35,11 @@ class ModelConfig(Section):
     """The target model, served by SGLang on every GPU node."""
 
     path: str
-    """A local HF model directory, present on every GPU node at the same path."""
+    """A local HF model directory, at the same path on every GPU node and on the head (the
+    driver reads its config.json and tokenizer)."""
     dtype: Literal["bfloat16", "float32"] = "bfloat16"
-    """The served dtype; the store keeps hidden states in it (bfloat16 bit for bit)."""
+    """The dtype SGLang serves the model in; the store keeps hidden states in it, bit for bit
+    (unless store.dtype is fp8_e4m3)."""
     aux_layer_ids: list[int] | None = None
     """`--return-aux-hidden-state-layer-ids` as SGLang takes them: 1 to 8 distinct ids
     (EAGLE-3: 3; DFlash-style drafters: 5 or more). null: SGLang's EAGLE-3 default
@@ -70,13 +72,15 @@ class StoreConfig(Section):
     """obstore settings for object storage (endpoint, region, client_options, retry_config,
     ...); credentials are better left to the nodes' `AWS_*` environment."""
     codec: Literal["none", "zstd"] = "none"
-    """Chunk compression; zstd level 1 saves ~20% on bf16 activations at half the write speed."""
+    """Chunk compression. zstd level 1 shrank bf16 activations only 1.21x here and halved the
+    write speed."""
     codec_level: int = Field(1, ge=1, le=22)
-    """The zstd level."""
+    """The zstd level (with codec zstd)."""
     samples_per_shard: int = Field(64, ge=1)
     """Samples in one work shard: one lease, one commit."""
     chunk_tokens: int | None = Field(None, ge=1)
-    """Token rows per chunk; null: ~32 MB of aux rows per chunk."""
+    """Token rows per chunk. null: the power of two (256 to 8192) nearest 32 MiB of aux rows
+    (1024 for 3 aux layers x 7168 in bf16)."""
     prenorm: bool = True
     """Keep the final norm's input (what vLLM speculators trains on) besides the post-norm
     state (SpecForge's): one more [T, H] array, +1/(num_aux + 1) of the hidden bytes."""
@@ -135,15 +139,17 @@ class WorkerConfig(Section):
     sample_attempts: int = Field(3, ge=1)
     """Attempts at a sample whose dump fails its checks; then it is recorded as failed."""
     dump_root: str = "/dev/shm"
-    """Where the servers' dumps are published (RAM on GPU nodes)."""
+    """Where the servers' dumps are published: a tmpfs (RAM) on GPU nodes; size it as
+    ray_configs/README.md says."""
     log_root: str | None = None
     """Where the servers' logs go (private, kept if the worker failed); null: the temp dir."""
     max_pending_bytes: int = Field(4 << 30, ge=1 << 20)
-    """Captured bytes a server may hold unpublished before its forward waits."""
+    """Captured bytes a server may hold unpublished before its forward waits (per DP rank;
+    back-pressure, never a dropped capture)."""
     writer_threads: int = Field(2, ge=1)
     """Threads writing a shard's chunks to the store."""
     heartbeat_s: float = Field(10.0, gt=0)
-    """How often a worker renews its lease."""
+    """How often a worker renews its lease; at most a third of queue.lease_s - the margin."""
     idle_poll_s: float = Field(1.0, gt=0)
     """With nothing to lease, ask again after this (backing off to 4x)."""
 

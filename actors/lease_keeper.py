@@ -1,6 +1,6 @@
 """The worker's side of a lease: heartbeats, and the write fence the shard writer goes through.
 
-Writes are fenced by time, with no queue call per write (see cluster/shard_queue.py for the
+Writes are fenced by time, with no queue call per write (docs/design/queue.md has the
 protocol and why it is safe): a write may start only before the local deadline, (when the last
 successful renewal was *asked for*) + the lease's `valid_seconds`, on this process's monotonic
 clock. Heartbeats renew it; a refused or failed heartbeat, or a deadline passed, loses the lease.

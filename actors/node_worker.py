@@ -9,7 +9,7 @@ loop: lease a shard -> K requests in flight -> read + verify each dump -> hand r
 writer -> claim + commit -> complete the lease. With nothing to lease it waits (a dead worker's
 shards or a straggler may still come its way) until the queue says the job is finished. The
 server is restarted (bounded, with backoff) and calibrated again when it dies; the shard then
-resumes with its unwritten samples.
+resumes with its unwritten samples. Design: docs/design/node-worker.md.
 """
 
 from __future__ import annotations

@@ -4,18 +4,12 @@
     with SGLangServer(spec, log_path) as server:
         server.session.post(server.url + "/generate", ...)
 
-The command line always carries what the capture path depends on: SGLang's own aux capture
-(`--enable-return-aux-hidden-states --speculative-algorithm EAGLE3`), `--disable-radix-cache`
-(cached prefix tokens are never recomputed, so never captured), loopback host, a free port
-and a KV cap. Without a GPU it adds the CPU flags.
+The command line always carries what capture depends on (SGLang's aux capture,
+`--disable-radix-cache`), a loopback host, a free port and a KV cap; the CPU flags without a
+GPU. The server requires fresh API keys (given in a 0600 file, masked in its log), runs with
+umask 077 and dies with the process that started it (actors/die_with_parent.py).
 
-Nobody else drives the server: it requires a fresh random API key on every route but /health
-(and another, never used, on its admin routes: in SGLang 0.5.23 an admin route such as
-/update_weights_from_disk is open to anyone when no key is set). The keys reach it in a 0600
-config file removed once it is up, never on its command line; `server.session` sends the key,
-and the log masks both (actors/server_log.py). Everything it writes (dumps, host regions) is
-private to the user: it runs with umask 077. It dies with the process that started it
-(actors/die_with_parent.py).
+The flags: docs/design/capture-plugin.md; the keys and files: docs/security.md.
 """
 
 from __future__ import annotations

@@ -1,9 +1,9 @@
 """Writes one leased work shard's hidden-state rows into the store (worker side).
 
-The rules it keeps (hsx_store/format.py): whole chunks only, one writer per chunk, the commit marker
-last, nothing written once the lease is lost. Every store write goes through the lease's write
-fence (actors/lease_keeper.py); a deferred lease's chunks wait in a local spill directory until
-its claim on the shard wins, and are written then.
+The rules it keeps (docs/store-format.md): whole chunks only, one writer per chunk, the commit
+marker last, nothing written once the lease is lost. Every store write goes through the lease's
+write fence (actors/lease_keeper.py); a deferred lease's chunks wait in a local spill directory
+until its claim on the shard wins, and are written then. Design: docs/design/node-worker.md.
 """
 
 from __future__ import annotations

@@ -1,20 +1,15 @@
 """The planner vs the bare work it has to do: samples/s per core, and the wall time on all cores.
 
-(a) baseline: the same JSONL rows read and parsed (`json.loads` per line), each conversation
-    rendered once with `apply_chat_template(tokenize=False)`, and the texts tokenized with one
-    batch tokenizer call per 1000 rows: what any tool must do to tokenize chat data;
-(b) the planner (cluster/plan.py, `PlanStream` in this process): the same, plus everything a
-    plan is: field and role checks, ids and duplicates, the assistant loss mask from the one
-    rendering (character offsets), limits and vocabulary checks.
-Rows are chat conversations of 1-3 turns, ~380 tokens each, under a ChatML template without
-`{% generation %}` markers (the case where the mask used to cost a rendering per turn: ratio
-0.16 before it was found from one rendering). Rounds alternate (benchmarks/rounds.py); value =
-median of per-round ratios (planner rate / baseline rate), one core each.
-
-Then the planner on every core of the machine (Ray tasks on a local Ray, `planners` = cores),
-its wall time printed: what a job waits for before its last shard is planned.
+Baseline: the same JSONL rows parsed, each conversation rendered once with
+`apply_chat_template(tokenize=False)` and tokenized in batches of 1000 rows. Measured: the
+planner (`PlanStream` in this process), which also checks fields and roles, ids and duplicates,
+builds the assistant loss mask and checks limits and the vocabulary. Chat rows under a ChatML
+template without `{% generation %}` markers; one core each; rounds alternate. Then the planner
+on every core through Ray, its wall time printed.
 
     .venv/bin/python -m benchmarks.plan_vs_raw_tokenize   # or: make bench BENCH=<this name>
+
+Details and figures: docs/benchmarks.md.
 """
 
 from __future__ import annotations

@@ -1,29 +1,16 @@
 """How many nodes one ShardQueueActor serves: simulated nodes on the real queue, real protocol.
 
-Every simulated node does what a NodeWorker and its LeaseKeeper do, at Kimi-K2.5 rates: `acquire`
-(with nothing to lease: `finished`, then wait `--idle` s), the keeper's first renewal
-(`heartbeat`), one `heartbeat` every --heartbeat s while it "writes" the shard (shard bytes /
---rate s: --shard-tokens x --row-bytes, 15 GB in 15 s by default), then `claim` (asked again while
-it returns a wait, as the keeper does) and `complete`. No call per chunk: the time fence checks
-writes locally (cluster/shard_queue.py). The nodes are coroutines in --clients async Ray actors
-(num_cpus=0), each a blocking caller of the queue as a worker's threads are.
-
-Levels of --nodes run one after the other for --seconds each, on a fresh queue fed with shards
-while it runs (more_coming, add, then close). A level passes when the p99 of `acquire` and of
-`claim` latencies stays under 100 ms and every shard committed was committed exactly once: one
-node's `complete` succeeded for it, and the queue's summaries name that node (no commit lost,
-none duplicated). The value is the largest passing level; also printed: calls per committed GB,
-against the per-chunk protocol this replaced (`begin_write`/`end_write` around each --chunk-bytes
-chunk, plus a `fenced` poll: ~63 calls per GB at 32 MB chunks).
-
-The latencies include the clients' own event-loop delays on this 2-core VM shared by the queue,
-the clients and Ray: a bound on the queue, not its cost alone. Ray's call path, not the queue's
-Python, is the limit here: a no-op actor answered 1,300-2,000 blocking calls/s on this VM, and a
-py-spy of the queue actor showed ~90% of its time in Ray's core worker (measured with the former
-benchmarks/queue_ops.py, which timed the per-chunk protocol's round trips; this replaced it).
+Each simulated node does what a NodeWorker and its lease keeper do at Kimi-K2.5 rates (acquire,
+heartbeats while it "writes" a shard, claim, complete; nothing per chunk), as coroutines in
+--clients async Ray actors. Levels of --nodes run --seconds each on a fresh queue fed while it
+runs; a level passes when p99 `acquire` and `claim` latencies stay under 100 ms and every shard
+is committed exactly once. Value: the largest passing level; also printed: calls per committed
+GB, against the per-chunk protocol this replaced.
 
     make bench BENCH=queue_capacity
     .venv/bin/python -m benchmarks.queue_capacity --nodes 500,1000,2000,4000 --seconds 30
+
+What limits it here (Ray's call path), and the figures: docs/benchmarks.md.
 """
 
 from __future__ import annotations

@@ -1,26 +1,14 @@
 """The training reader vs a plain sequential read of the same bytes, from the same disk.
 
-(a) baseline: every chunk file of `aux_hidden_states` and `final_hidden_states` read in order
-    with one plain `readinto` each, into four page-aligned buffers in turn (a reader must hand
-    out memory that outlives its next read, so one reused buffer that stays in the CPU cache
-    would not be the same job; page-aligned as the reader's are, because into numpy's usual
-    start 16 bytes past a page the kernel's copy runs at a quarter of the speed:
-    hsx_store/buffers.py);
-(b) HiddenStatesIterable: every visible sample as bf16 tensors, in store order, one process;
-    built once (as a training loop does, and as the raw read is given its file list), then one
-    epoch per round.
-Both read warm files (page cache). Rounds alternate (benchmarks/rounds.py); value = median of
-the per-round ratios of reader GB/s / raw GB/s, both over the hidden-state payload (the raw
-read also reads the shards' padding rows, ~4% more bytes). The store is written first by the
-real ShardWriter: synthetic bf16 rows shaped like Kimi-K2.5's captures (3 aux layers x hidden
-7168, 256-2048 tokens per sample, ~2.6 GB).
-
-What limits both (measured here, 2 shared cores): the kernel's copy out of the page cache.
-The reader `readinto`s each chunk's rows straight into recycled block buffers on a pool of
-threads (hsx_store/file_rows.py), so its copies run on both cores where the baseline's run on one;
-the rest of its time is opening chunk files and making the samples.
+Baseline: every chunk file of the hidden arrays read in order with one plain `readinto` each,
+into four page-aligned buffers in turn. Measured: HiddenStatesIterable yielding every visible
+sample as bf16 tensors, one process, one epoch per round. Both read warm files; GB/s over the
+hidden-state payload; rounds alternate (benchmarks/rounds.py), value = median of per-round
+ratios. The store is written first by the real ShardWriter, Kimi-shaped bf16 rows (~2.6 GB).
 
     make bench BENCH=reader_vs_raw_read
+
+Why four page-aligned buffers, what limits both, the figures: docs/benchmarks.md.
 """
 
 from __future__ import annotations

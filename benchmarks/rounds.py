@@ -1,25 +1,18 @@
 """Alternating rounds for ratio benchmarks: the measured path against its baseline.
 
-Every ratio benchmark runs its baseline and its measured path in rounds within one process, the
-order flipped each round (ABBA...) so drift on a shared machine hits both sides alike; each round
-gives one ratio (measured rate / baseline rate), and the benchmark's value is the median of those
-ratios, printed with their spread. A best-of-N over each side separately would pair a lucky
-baseline with a lucky measurement from different moments, which is what made the earlier ratios
-move more between runs than any change did.
+Baseline and measured path run in rounds within one process, the order flipped each round
+(ABBA...); each round gives one ratio, and the value is the median of those ratios, printed
+with their spread.
 
     ratios = alternate(baseline=lambda: nbytes / raw(), measured=lambda: nbytes / ours(), rounds=5)
     ratios.show("GB/s")
     print(ratios.result_line("reader_vs_raw_read", target=0.8))
 
-Memory the guest freed is slow to use again on a VM that reports free pages to its host
-(virtio-balloon free page reporting): a page freed is handed back to the host within seconds,
-and the next touch faults it in from there. Measured here, 1 GiB written into the page cache:
-0.06-0.16 GB/s a few seconds after the last run freed its files' pages, 2.3-3.2 GB/s right
-after touching 2 GiB and freeing it, and 2.9-3.2 GB/s every time with reporting off. Which side
-of a round got reported memory decided the round (writer_vs_tofile gave 2.2, 0.94, 0.95 in
-three runs). So `alternate` faults in the memory the next call will take (`fault_in_bytes`)
-just before it, untimed, for both sides; that helps only calls shorter than the reporting
-delay, and `alternate` prints how to turn reporting off for the run where it is on.
+On a VM that reports free pages to its host (virtio-balloon), memory freed seconds earlier costs
+~20x to touch again: `alternate` faults in the memory the next call takes (`fault_in_bytes`),
+untimed, and prints how to turn reporting off where it is on.
+
+Why, and the measurements: docs/benchmarks.md.
 """
 
 from __future__ import annotations

@@ -1,23 +1,15 @@
 """The training reader on object storage vs plain concurrent GETs of the same chunk objects.
 
-(a) baseline: every chunk object of the store's token-major arrays (`aux_hidden_states`,
-    `final_hidden_states`, `input_ids`, `loss_mask`: the objects the reader needs), fetched whole
-    with obstore's async GET on zarr's event loop, at most `CONCURRENCY` at a time (the
-    reader's limit); each lands in fresh memory (the buffer obstore allocates for it), held
-    until the round ends, as a consumer would hold what it read;
-(b) HiddenStatesIterable over the same s3:// store, one process: every visible sample as bf16
-    tensors, in store order (chunks fetched whole, concurrently and ahead of the consumer, then
-    copied into the samples' block buffers: hsx_store/object_rows.py).
-Both sides move the same objects, so each round's ratio is GET seconds / reader seconds; GB/s
-are shown over the chunk objects' bytes. Rounds alternate (benchmarks/rounds.py); the value is
-the median of the per-round ratios.
-
-The store is written by the real ShardWriter to a loopback S3 server (moto in its own process,
-credentials enforced: tools/s3_server.py) with Kimi-ish rows: 3 aux layers x hidden 7168 bf16,
-256-2048 tokens per sample, ~0.5 GB, which moto keeps in memory. moto serves each GET from one
-Python process; it, not the client, sets the absolute GB/s here (~0.2-0.35 GB/s on 2 cores).
+Baseline: every chunk object the reader needs, fetched whole with obstore's async GET on zarr's
+event loop, at most `CONCURRENCY` at a time (the reader's limit), each held until the round
+ends. Measured: HiddenStatesIterable over the same s3:// store, one process, every visible
+sample as bf16 tensors. Each round's ratio is GET seconds / reader seconds; rounds alternate
+(benchmarks/rounds.py). The store is written by the ShardWriter to a loopback S3 server (moto,
+credentials enforced: tools/s3_server.py), Kimi-ish rows, ~0.5 GB; moto sets the absolute GB/s.
 
     .venv/bin/python -m benchmarks.s3_reader_vs_raw_get
+
+Details and figures: docs/benchmarks.md.
 """
 
 from __future__ import annotations

@@ -1,20 +1,14 @@
 """ShardWriter into a store on S3 vs plain single PUTs of the same objects, same client.
 
-Both sides talk to the same loopback S3 server (tools/s3_server.py: moto in its own process,
-credentials enforced), through obstore with the client settings the store uses
-(hsx_store/location.py):
-(a) baseline: one `obstore.put(..., use_multipart=False)` per chunk object the store holds
-    (same count, same sizes: aux and final chunks of `chunk_tokens` rows, padding included),
-    from buffers filled before timing, `--threads` PUTs at a time: the writer's concurrency;
-(b) ShardWriter: the same rows (bf16 torch tensors) written shard by shard into a store created
-    on `s3.url(...)` with `storage_options=s3.options` (creation untimed: the driver's), commit
-    included, `--threads` write threads.
-Rates are over the payload bytes, so the ratio is the time ratio. Shapes are Kimi-like, scaled
-to fit moto's memory: 3 aux layers x hidden 7168 bf16, 256-2048 tokens per sample, ~0.4 GB per
-round; each side's objects are deleted after it is timed. Rounds alternate
-(benchmarks/rounds.py); value = median of per-round ratios.
+Both sides talk to the same loopback S3 server (tools/s3_server.py) through obstore with the
+store's client settings. Baseline: one `obstore.put(..., use_multipart=False)` per chunk object
+the store holds, `--threads` at a time. Measured: the ShardWriter writing the same rows into a
+store on S3, commits included, `--threads` write threads. Rates over the payload bytes;
+Kimi-like rows scaled to moto's memory; rounds alternate (benchmarks/rounds.py).
 
     .venv/bin/python -m benchmarks.s3_writer_vs_raw_put
+
+Details and figures: docs/benchmarks.md.
 """
 
 from __future__ import annotations

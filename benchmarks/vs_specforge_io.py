@@ -1,63 +1,17 @@
-"""Our hidden-state I/O against SpecForge 0.2.0's offline path, on the same rows and the same disk.
+"""Our hidden-state I/O against SpecForge 0.2.0's offline path, on the same rows and disk.
 
-The peer is SpecForge's own offline EAGLE-3 data path: its writer reproduced from its source
-(the script is not in the wheel), its reader imported from the installed package
-(`specforge==0.2.0`, installed with --no-deps: see requirements/bench.txt).
-
-WRITE (GB/s of hidden-state payload; value = ours / peer, target 1.5):
-  peer: `HiddenStatesGenerator` in SpecForge's scripts/prepare_hidden_states.py
-        (`_save_tensor_async` -> `_save_tensor_sync`): per sample a record
-        {input_ids int64 [P], loss_mask int64 [P], aux_hidden_state bf16 [1, P, num_aux * H],
-        hidden_state bf16 [1, P, H]} (the keys of eagle3's `OfflineCaptureLayout`), submitted to
-        a ThreadPoolExecutor of `--num-io-threads` (default: os.cpu_count(), 2 here) with its
-        io_queue_size=50 back-pressure; each task scans every floating tensor for NaN
-        (`torch.isnan(t).any()`) and `torch.save`s the record to
-        rows_{g}-{g+2000}/data_{i}.ckpt. The `.cpu().clone()` before it is the device-to-host
-        copy, which our worker does elsewhere too, so neither side times it.
-  ours: per sample `actors.dump_checks.verify_dump` (rid, counter, shapes, token ids, layers,
-        dtype, finiteness) then `ShardWriter.write_sample`, shard by shard into a store from
-        `hsx_store.format.create_store`, each shard's commit included (store creation is the
-        driver's and untimed).
-  Neither side fsyncs (neither does in production); `sync` runs untimed before each write, so
-  one side's dirty pages are not flushed on the other's clock.
-
-COLD READ (hidden-state payload GB/s, page cache dropped for every file of both sides first):
-  peer: SpecForge's offline loading as its trainer assembles it for eagle3:
-        `OfflineManifestReader(dir).read()` -> refs, `FeatureDataLoader(LocalFeatureStore(),
-        refs=..., per_sample_transform=normalize_offline_sample, num_workers=4)` (eagle3's
-        default_dataloader_num_workers: 4 prefetch threads), batch_size 1; each file is
-        `torch.load(mmap=True)`ed and cloned (clone_on_fetch). The collator (padding to a
-        batch) is left out on both sides: ours yields samples, not batches.
-  ours: `hsx_store.reader.HiddenStatesIterable` over the store written above, in this process.
-  value = ours / peer (target 1.1), and ours / `dd if=<chunk file> of=/dev/null bs=16M` over our
-  hidden-state chunk files (the disk's raw sequential cold read, target 0.85), each alternated.
-
-Pages are dropped with posix_fadvise(DONTNEED) per file after a sync, not via
-/proc/sys/vm/drop_caches, which would also empty the page cache of everyone else's benchmarks
-on this machine; `fincore` (util-linux), where present, confirms nothing stays resident.
-
-BYTES PER TOKEN: our store's bytes on disk (every file) per token vs the payload
-(num_aux + 1) * H * 2, at the job's default shard size (64 samples); printed, not part of the
-value. What is over is the padding of each shard's last chunk (shards start on chunk boundaries,
-so every chunk has one writer), half a chunk per shard on average: the store written here has one
-or two shards, so the figure that carries over is also projected with `hsx_store.format.layout` over
-10,000 samples of the same length distribution (the written store's padding checks the formula).
-
-Rows are Kimi-shaped (3 aux layers x hidden 7168, bf16, 256-2048 tokens per sample); the temp
-dirs are under the current directory. Rates are per round, alternating order (benchmarks/rounds);
-RESULT value = min(write ratio / 1.5, cold-read ratio / 1.1, dd ratio / 0.85).
-
-Default 32 samples (2 GB), not the issue's 64: here 64 (4 GB) ran 12 minutes, the disk reading
-0.35-1 GB/s cold and 4 GB of writes going past the dirty-page limit, so both writers wait on the
-disk (ratio ~0.8 then); 2 GB stays in the page cache and the run takes ~2.5 minutes.
-Measured here (2 cores), three runs in a row with the VM's free page reporting off
-(benchmarks/rounds.py): write 4.24 / 3.89 / 3.85 (ours ~3.4 GB/s, the peer ~0.9: its
-`torch.save` and NaN scans on 2 threads), cold read vs SpecForge 1.21 / 1.19 / 1.23 (eight reads
-in flight against its four loader threads), vs dd 1.50 / 1.52 / 1.77 (dd is one process per
-44 MB file, one read at a time), bytes per token +0.92% (+0.71% projected at 64 samples/shard).
+Write: SpecForge's `HiddenStatesGenerator` (reproduced from its source: a NaN scan and
+`torch.save` per sample on a thread pool) vs `verify_dump` + `ShardWriter`, commits included.
+Cold read (page cache dropped per file with posix_fadvise): its `FeatureDataLoader` (4 threads)
+vs `HiddenStatesIterable`, and vs `dd` of our chunk files. The collator (padding to a batch) is
+left out on both sides. Bytes per token against the payload, measured and projected at 64
+samples per shard. Kimi-shaped rows, 32 samples (2 GB) by default; rounds alternate
+(benchmarks/rounds.py). RESULT value = min(write / 1.5, cold read / 1.1, vs dd / 0.85).
 
     make bench BENCH=vs_specforge_io
     .venv/bin/python -m benchmarks.vs_specforge_io --samples 32 --rounds 5
+
+Method, figures and why 32 samples: docs/benchmarks.md.
 """
 
 from __future__ import annotations

@@ -1,38 +1,17 @@
 """ShardWriter into a Zarr store vs plain file writes of the same chunk files, on the same disk.
 
-(a) baseline: for every chunk the store holds, one file of the same bytes (the samples' rows
-    in place, zeros for padding) at the same path shape (c/<k>/0/0), written with plain
-    `f.write`s of the rows straight from the samples' memory by as many threads as the writer
-    uses (--threads); no temp file, no rename;
-(b) ShardWriter: the same rows (bf16 torch tensors, as a worker gets them from a dump) written
-    shard by shard into a freshly created store, commit included (store creation is the driver's,
-    not timed).
-Why one file per chunk for the baseline (rather than one big `tofile`): the store's layout is
-chunk files padded to whole chunks (~15% more bytes here than the payload), and the job is to
-put those files on disk; a baseline of one file of payload only would count the format's
-padding and per-file costs as the writer's overhead. Both rates are over the payload bytes, so
-the ratio is the time ratio. Neither side fsyncs: both measure the write into the page cache,
-which is what a worker waits for, each starting with no dirty pages (an untimed `sync` before
-every call), and with memory for its page cache faulted in just before it
-(benchmarks/rounds.py `fault_in`: on this VM, memory freed a few seconds earlier costs ~20x
-more to write into). Each side deletes its files after it is timed. Rounds alternate
-(benchmarks/rounds.py), each side writing everything --repeats times a round; value = median
-of per-round ratios.
-
-What the ratio depended on (profiled here, 2 shared cores): the writer used to copy every row
-of a chunk shared by several samples (nearly all of them) into an assembly buffer before zarr
-wrote it, a second pass over every byte on a machine where the write is memory-bound (0.43 vs
-one `tofile`); chunk files are now written straight from the samples' memory, one write() per
-row range (os.writev of the same ranges measured ~3x slower here). Per shard, reopening 7 arrays
-(metadata reads) and starting the write threads cost another ~5-15% of a round under load.
-
-The data is synthetic but compresses like real bf16 activations: a float32 gaussian scaled per
-channel (log-normal scales), rounded to bf16: sign/exponent bytes compress, mantissas do not.
---sweep prints the table that chose the defaults in hsx_store/format.py (codec x chunk x threads):
-one alternating-rounds ratio per configuration.
+Baseline: one plain file per chunk the store holds, the same bytes (rows in place, zeros for
+padding) at the same path shape, written by as many threads as the writer uses. Measured: the
+ShardWriter writing the same bf16 rows shard by shard into a fresh store, commits included.
+Rates over the payload bytes; neither side fsyncs; each starts with no dirty pages and its
+memory faulted in (benchmarks/rounds.py); rounds alternate, value = median of per-round ratios.
+Synthetic rows that compress like real bf16 activations. `--sweep` prints the codec x chunk x
+threads table that chose the defaults in hsx_store/format.py.
 
     .venv/bin/python -m benchmarks.writer_vs_tofile         # or: make bench BENCH=writer_vs_tofile
     .venv/bin/python -m benchmarks.writer_vs_tofile --sweep --shm
+
+Why this baseline, what the ratio depended on, figures: docs/benchmarks.md.
 """
 
 from __future__ import annotations

@@ -2,10 +2,9 @@
 
     config = load_config("ray_configs/demo_job.yaml", ["store.url=out/x.zarr", "worker.inflight=4"])
 
-Every field has a default except `model.path` and `data.paths`; unknown fields are errors (a
-typo must not silently fall back to a default). Errors name the field: `data.max_length: Input
-should be greater than or equal to 1`. Relative paths are resolved against the current
-directory (the job's working directory under `ray job submit`).
+Every field has a default except `model.path`, `data.paths` and `store.url`; unknown fields
+are errors; errors name the field. Relative paths resolve against the current directory.
+Reference (generated from the field docstrings): docs/configuration.md.
 """
 
 from __future__ import annotations
@@ -26,17 +25,20 @@ class DataConfig(Section):
     """The prompts, and how they become token ids and loss masks (docs/design/planning.md)."""
 
     paths: list[str] = Field(min_length=1)
-    """.jsonl / .parquet files, or directories saved by HF datasets."""
+    """Input files, read in order: JSON Lines (.jsonl, .json), Parquet (.parquet), or
+    directories saved by HF datasets (`save_to_disk`)."""
     format: Literal["auto", "jsonl", "parquet", "hf"] = "auto"
-    """auto: by suffix (a directory is a datasets directory)."""
+    """auto: each path's format from its name (a directory is a datasets directory)."""
     split: str = "train"
     """The split of a saved DatasetDict."""
     id_field: str = "id"
-    """A row's optional id; without it the id is `<file>:<row>`."""
+    """The field holding a row's id (a string or an integer); a row without one gets
+    `<file name>:<row>`."""
     text_field: str = "text"
-    """A row holds either text ..."""
+    """The field holding a text row's text. A row holds either this or messages_field."""
     messages_field: str = "messages"
-    """... or chat messages `[{"role", "content"}, ...]`."""
+    """The field holding a chat row's messages, `[{"role": ..., "content": ...}, ...]`,
+    rendered with the chat template."""
     roles: list[str] = Field(["system", "user", "assistant", "tool"])
     """The roles a message may have; a row with another is rejected."""
     chat_template: str = "model"
@@ -103,7 +105,9 @@ class DriverConfig(Section):
     """How often the driver looks at the workers and the queue (and, on a terminal, redraws
     the progress line)."""
     log_interval_s: float = Field(30.0, gt=0)
-    """Off a terminal, a progress line at most this often, and on every change of state."""
+    """Off a terminal (a `ray job submit` log, a file): a progress line this often, plus one on
+    every change of state (a worker starts, is up or is lost; planning ends; a commit after a
+    quiet spell)."""
     finish_grace_s: float = Field(60.0, ge=0)
     """Once every shard is done, workers still busy after this long (a straggler whose shard a
     duplicate committed) are stopped rather than waited for."""

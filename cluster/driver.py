@@ -3,19 +3,16 @@
     ray job submit ... -- python -m cluster run --config ray_configs/demo_job.yaml
 
 1. open_or_create: create the (empty) store, or resume it.
-2. one ShardQueueActor (num_cpus=0) with every shard not committed yet; while the plan is
-   incomplete a PlanFeed thread plans the data on the cluster's CPUs (Ray tasks), streams the
-   shards into the store and adds them to the queue as they become visible, so capture starts
-   on the first shards while the rest is planned (storage estimate once planning ends).
+2. one ShardQueueActor with every shard not committed yet; while the plan is incomplete a
+   PlanFeed thread streams planned shards into the store and the queue.
 3. one NodeWorker per server slot of every alive node advertising `worker.node_resource`
-   (cluster/placement.py: one server per tp_size x dp_size GPUs, or worker.servers_per_node),
-   pinned to the node and to its GPUs; nodes that join later get theirs too (scale out by
-   adding nodes while the job runs).
-4. ray.wait on the workers' run() calls: a worker that dies or fails has its shards re-queued
-   at once (lease expiry is only the backstop) and, while its node is alive and its slot has
-   failed fewer than `worker.max_node_failures` times, a replacement in the same slot.
-5. when every shard is committed or given up: the final report, as JSON in the store and as a
-   table in the log. Exit status 0 only if every planned sample was written.
+   (cluster/placement.py), pinned to the node and its GPUs; nodes that join later get theirs.
+4. ray.wait on the workers' run() calls: a lost worker's shards are re-queued at once and its
+   slot refilled, up to `worker.max_node_failures` times.
+5. when every shard is committed or given up: the final report, in the store and the log.
+   Exit status 0 only if every planned sample was written.
+
+Details: docs/running-a-job.md.
 """
 
 from __future__ import annotations

@@ -4,26 +4,13 @@
     spans = turns.assistant_spans(text, messages)      # per row: [start, end) character spans
     mask = token_mask(spans, offsets)                  # per row: 1 on tokens overlapping a span
 
-What the model generates in an assistant turn is its content and the token(s) that end the turn
-(ChatML's `<|im_end|>`, Llama 3's `<|eot_id|>`), never the role header before it nor the glue
-the template writes after (ChatML's `\\n` after `<|im_end|>`, which the model never produces).
-So each turn's span is its content plus the turn end up to its last special token.
+A turn's span is its content plus the turn end up to its last special token (ChatML's
+`<|im_end|>`, not the `\\n` after it). A template's header and turn end are learned once from
+probe conversations. A row whose assistant turns do not render as header + content + turn end
+is rejected (`NOT_AS_WRITTEN`), as is one whose slow tokenizer merges tokens across a span's
+edge (`BOUNDARY_MERGED`): never a guessed mask.
 
-How a template frames an assistant turn is learned once, from probe conversations:
-- the header: what the template writes before an assistant's content, past where the
-  conversation before it ends (`<|im_start|>assistant\\n`);
-- the turn end: what follows an assistant's content both when the conversation ends there and
-  when another turn follows (the common prefix of the two), cut after its last special token.
-A row's spans are then found in its one rendering, message by message in order: each message's
-content is searched after the previous one's, and each assistant turn must appear as header +
-content + turn end (its content as written or trimmed, since some templates trim). A template
-that renders a turn otherwise (e.g. drops the reasoning of earlier turns) gets the row rejected
-with `NOT_AS_WRITTEN`, never a guessed mask.
-
-Tokens are mapped to characters by the fast tokenizer's offsets; a token that straddles a span's
-edge (ChatML's `\\n` header end merged with content starting with `\\n\\n`) counts as the span's.
-Without offsets (a slow tokenizer) the boundaries come from tokenizing the text before each edge,
-which only works where the tokenization does not merge across it (`BOUNDARY_MERGED` otherwise).
+Design: docs/design/planning.md.
 """
 
 from __future__ import annotations

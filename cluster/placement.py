@@ -3,6 +3,7 @@
 A server is one SGLang process group of tp_size x dp_size GPUs (tp_size GPUs per data-parallel
 replica), served by its own NodeWorker. A node hosts `servers` of them, each in a slot of its
 own; Ray pins each worker to its GPUs (num_gpus), so a server sees only its group.
+Details: docs/running-a-job.md.
 """
 
 from __future__ import annotations

@@ -4,108 +4,15 @@
         ...  # a Sample (accepted) or a Reject in input order, a PartEnd after each part
     plan = build_plan(config.data, config.model.path)                     # all of it, in memory
 
-Planning is data-parallel: the inputs are cut into parts (cluster/plan_sources.py: byte ranges
-of JSONL, row groups of Parquet, row ranges of datasets) and each part is read, checked,
-templated and tokenized by a Ray task on a node that holds the inputs at their paths (the
-nodes are probed first; `planners` parts at a time, default one per CPU of those nodes; 0: in
-this process). Results are consumed in part order, so ids, duplicates and the store are the
-same whatever the parallelism; only the ids seen so far and `planners` parts stay in memory.
-`source_hashes(data)` and `chat_template_text(data, model_path)` give the sources' sha256 and
-`plan.chat_template` without planning, for resume checks.
+Each part of the inputs (cluster/plan_sources.py) is planned by a Ray task on a node that holds
+them (`planners` parts at a time; 0: in this process); results are consumed in part order, so
+the plan is the same whatever the parallelism. `source_hashes(data)` and
+`chat_template_text(data, model_path)` give what a resume compares, without planning.
 
-Nothing here raises for a bad row: every row is either accepted or rejected with a reason, in
-input order. `PlanError` is only for an unusable input as a whole: a missing path, a format
-that cannot be told or read, a missing chat template file, a model without tokenizer/config.json.
+Nothing here raises for a bad row: every row is accepted or rejected with a reason, in input
+order. `PlanError` is only for an unusable input as a whole.
 
-## Inputs
-
-`data.paths` are read in order. `data.format: auto` tells each path's format by its name:
-`.jsonl` / `.json` (JSON Lines, one object per line, not a JSON array), `.parquet`, or a directory
-written by `datasets` `save_to_disk` (`hf`: a Dataset, or a DatasetDict from which `data.split` is
-taken). JSONL is read as bytes line by line (blank lines are not rows); Parquet in record batches
-with only the id/text/messages columns; HF datasets memory-mapped through `load_from_disk`, so
-memory stays bounded by the tokenized output. `plan.sources` records each path with its format,
-row count and SHA-256 (of the file; of a dataset directory: of every file in it, by relative path)
-so a resumed job can tell that its input changed.
-
-## Rows and sample ids
-
-A row holds exactly one of
-- `text_field` (default `text`): a string, tokenized with the model's tokenizer and its special
-  tokens (`add_special_tokens=True`); or
-- `messages_field` (default `messages`): a non-empty list of `{"role": str, "content": str}`,
-  rendered with the chat template (`add_generation_prompt=False`) and tokenized without adding
-  special tokens (the template writes them). Other message keys are passed to the template;
-  keys whose value is null are dropped, since Parquet / HF datasets give every message every key
-  of the column's struct.
-
-A null field counts as absent (columnar formats have every column in every row).
-
-The sample id is `row[id_field]` (default `id`; a string or an integer, written as a string) or,
-when the row has none, `"<file name>:<row>"` where row is the 1-based line number for JSONL and
-the 0-based row index for Parquet and HF datasets (the dataset directory's name stands for the
-file name). Rejected rows are reported under the same id, or under `"<file name>:<row>"` when the
-id itself is unusable. An id belongs to the first row that carries it, accepted or not: a later
-row with the same id is rejected, so ids are unique across accepted and rejected rows.
-
-## Loss masks
-
-One uint8 per token. `loss_mask: all`: every token is 1. `loss_mask: assistant` (default): text
-rows are all 1; chat rows have 1 on the assistant turns only, found one of two ways:
-- the template has `{% generation %}` markers (and the tokenizer is a fast one): transformers'
-  `apply_chat_template(..., return_assistant_tokens_mask=True)`, i.e. every token that overlaps
-  a generation block (typically the content and the end-of-turn token);
-- otherwise from the conversation's one rendering (cluster/loss_mask.py): each assistant turn's
-  content and its end-of-turn token(s) (ChatML's `<|im_end|>` without the `\n` the template
-  writes after it, which the model never generates), located in characters from how the
-  template frames an assistant turn (learned once per template from probe conversations) and
-  mapped to tokens by the tokenizer's offsets. A template that renders a turn other than as
-  written (e.g. drops the reasoning of earlier assistant turns) gets the row rejected: the fix
-  is `loss_mask: all` or a template file (`data.chat_template`) with `{% generation %}` markers.
-
-## Reject reasons
-
-Field names below are the configured ones (`id`, `text`, `messages` by default); `<type>` is
-`null`, `bool`, `int`, `float`, `string`, `list` or `object`.
-
-| reason | when |
-|---|---|
-| `not valid UTF-8` | a JSONL line is not UTF-8 |
-| `malformed JSON: <json error>` | a JSONL line is not JSON |
-| `row must be a JSON object, got <type>` | a JSONL line holds e.g. a list |
-| `id must be a string or an integer, got <type>` | |
-| `id is an empty string` | |
-| `duplicate sample id (first seen at <file>:<row>)` | an earlier row has the same id |
-| `row has both text and messages` | |
-| `row has neither text nor messages` | |
-| `text must be a string, got <type>` | |
-| `empty text` | |
-| `text is only whitespace` | |
-| `messages must be a list, got <type>` | |
-| `empty messages` | |
-| `messages[i] must be an object, got <type>` | |
-| `messages[i].role must be a string, got <type>` | (checked before content) |
-| `messages[i].content must be a string, got <type>` | e.g. a list of content parts |
-| `messages[i].role <role> is not one of data.roles [...]` | a role the job does not allow |
-| `the model has no chat template; set data.chat_template` | a chat row, no template |
-| `chat template error: <error>` | the template raised (e.g. roles must alternate) |
-| `no assistant turn to train on` | `loss_mask: assistant`, no role `assistant` |
-| `the chat template does not render assistant turn <k> as written ...` (*) | no markers |
-| `cannot tell how the chat template renders assistant turns (...); ...` | probes failed |
-| `the tokenizer merges tokens across an edge of assistant turn <k> ...` | slow tokenizer |
-| `the chat template marks no assistant tokens` | `loss_mask: assistant`, an all-0 mask |
-| `zero tokens` | the tokenizer produced no token |
-| `<n> tokens > max_length <m>` | too long; prompts are never truncated |
-| `token id <i> is outside the model's vocabulary [0, <v>)` | a token the embedding lacks |
-
-(*) in full: `the chat template does not render assistant turn <k> as written (header, content,
-turn end); cannot mark its tokens (use loss_mask: all or a template with {% generation %}
-markers)`; see "Loss masks" above.
-
-The vocabulary size is `text_config.vocab_size` of the model's config.json if present, else
-`vocab_size`: a tokenizer's added tokens can lie beyond the embedding.
-
-Rows are tokenized in batches of `BATCH_ROWS` with the tokenizer's batch call.
+Inputs, sample ids, loss masks and every reject reason: docs/design/planning.md.
 """
 
 from __future__ import annotations

@@ -3,8 +3,8 @@
     encoder = Encoder.load(data, model_path, trust_remote_code)
     results = encoder.encode([parse_row(row, data) for row in rows])   # (ids, mask) or a reason
 
-The rules and every reject reason are in cluster/plan.py's docstring. Nothing here raises for
-a bad row; PlanError is only for the model or the template file as a whole.
+The rules and every reject reason: docs/design/planning.md. Nothing here raises for a bad
+row; PlanError is only for the model or the template file as a whole.
 """
 
 from __future__ import annotations

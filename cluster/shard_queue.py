@@ -1,58 +1,18 @@
 """The shared work queue: shards are leased, not popped, so no shard is lost with its worker.
 
 A worker `acquire`s a lease, `heartbeat`s while it works, `claim`s the shard when its rows are in
-(the first claim wins) and `complete`s it once its commit marker is written: a handful of calls
-per shard plus one heartbeat per `heartbeat_s`, whatever the shard's size; nothing per chunk.
-A lease not renewed in time expires and its shard goes back to the queue; so does the shard of a
-worker the driver reports dead (`release_worker`) or that gives it back (`release`). A shard lost
-to failures `shard_attempts` times is given up (`failed`); not while a lease of it is still live
-(a tail duplicate may yet complete it), but once none is. Shards may be planned while the job
-runs: `more_coming=True`, then `add` them and `close`; the queue is `finished` only once closed.
+(the first claim wins) and `complete`s it once its commit marker is written; nothing per chunk.
+Expired leases and dead workers' shards (`release_worker`) go back to the queue; a shard lost
+`shard_attempts` times is given up. Shards may be added while the job runs (`more_coming`,
+`add`, `close`). At the tail an idle worker gets a deferred duplicate of the slowest shard.
 
-Exactly one lease's rows become visible, though the store cannot check leases: stale holders
-are fenced by time. A holder starts a store write only before its local deadline, (when it
-*asked* for its last successful renewal) + lease - margin on its own monotonic clock
-(actors/lease_keeper.py), and every fenced write (one or two store requests) ends within W:
-each request within the store client's timeouts and retries, which the job config checks are
-below margin, so W < 2 margin. The queue keeps each lease's *write window* open until its expiry +
-margin on the queue's clock (expiry: the queue's receipt of the last renewal + lease), or until
-the holder says it writes nothing more (`stopped`, sent only once all its writes returned) or
-completes. A lease is issued `deferred` when another lease of its shard has an open window, and a
-tail duplicate always: a deferred holder keeps its rows in a spill directory and writes only after
-its claim, so its window opens only when it wins one. `claim` answers lost, or won with the
-seconds until every other lease's window is closed; the claimant writes only once a claim says 0.
+Stale holders are fenced by time, not by the store: a lease's write window stays open until its
+expiry + margin (or its `stopped`); a lease is `deferred` while another lease of its shard has
+an open window; `claim` tells the winner how long until every other window is closed. Runs as
+one Ray actor (`ShardQueueActor`, num_cpus=0); the class itself is plain Python.
 
-Why no stale write lands in a committed shard. Assumed: each monotonic clock runs at real rate
-within a factor 1 +- r (no synchronised clocks); a write started at real time t has landed, or
-never will, by t + W; r * (2 lease + margin) < 2 margin - W (r ~ 1e-4: seconds of slack).
-1. A lease's writes land inside its window. Its holder asked for the renewal at real time s; the
-   queue got it at s' >= s, so the window ends no earlier than s + (lease + margin) / (1 + r). The
-   holder starts writes before s + (lease - margin) / (1 - r), which land by then + W: earlier.
-   A window closed early by `stopped` or `complete` follows every write of its lease (causally).
-2. While a lease C is live its window is open; once C claims S, every other lease of S is
-   revoked and no new one is issued while C is live (S is neither pending nor a straggler
-   candidate); after C completes S is never issued again.
-3. Let C write S's commit marker. C's claim said 0 at queue time t0, so every other lease's
-   window was closed by t0 and (1) its writes landed before t0, before any write C made after its
-   claim. A non-deferred C also wrote before t0, from its issue on, but (2) no other lease wrote
-   meanwhile: leases issued earlier had closed windows when C was issued (or it was deferred),
-   later ones are deferred and their claims cannot say 0 while C's window is open. A revoked
-   loser learns it at its next heartbeat and stops; until then its deadline still lets it write,
-   which is why the winner waits for its window (or its `stopped`), never for a per-chunk check.
-   A lease issued after C lost S writes nothing before C's window closed, and starts by clearing
-   the commit marker, so S is committed again only by it, with its own rows.
-Not covered: a write that outlasts W (a process paused between its deadline check and its
-request for longer than the slack; a filesystem write with no timeout); the queue's margin
-doubles the slack for those. `release_worker` keeps the dead worker's windows open (a node
-declared dead may be partitioned and still writing until its deadline): its shards go back at
-once, deferred, and their claims wait at most lease + margin.
-
-At the tail, once nothing is pending, an idle worker gets a deferred duplicate of the shard
-leased the longest, when that exceeds `straggler_factor` times the median shard time (and
-`straggler_min_s`). Whichever copy claims first commits.
-
-Runs as one Ray actor (`ShardQueueActor`, num_cpus=0); the class itself is plain Python. Every
-call costs O(1) amortised, but `release_worker` and an idle tail `acquire` (O(leased shards)).
+The protocol, and the proof that no stale write lands in a committed shard:
+docs/design/queue.md.
 """
 
 from __future__ import annotations

@@ -6,18 +6,12 @@
             queue.add(shard.index)
     builder.finish(rejected)                                   # exact shapes, `planned` last
 
-Workers can capture a shard as soon as `add` (or `flush`) returns it, while later shards are
-still being planned. The order of the writes makes every state a reader can see consistent:
-a group of shards' plan rows (input_ids, loss_mask, sample_id/start/length) are written first
-and their `shard_plan_sha256` entries last, so a shard is planned exactly when its digest is
-there (`Store.open` counts the leading digests). Arrays grow ahead in doubling steps with their
-chunks untouched (a resize only rewrites an array's metadata, atomically), so the cost per
-shard is its own rows; shard groups are written together, which keeps the calls per shard low
-on object storage. `finish` trims every array to its exact shape and writes `planned`.
+A shard is planned exactly when its `shard_plan_sha256` entry is there (written after its rows);
+arrays grow ahead in doubling steps (metadata only); `finish` writes `planned` last.
+`StoreBuilder.resume` continues an interrupted plan, checking each stored shard against its
+digest.
 
-A resumed store whose planning was interrupted continues with `StoreBuilder.resume`: the
-stream is planned again from the start (planning is deterministic) and each shard already in
-the store is checked against its digest instead of written.
+The order of the writes, and why every state a reader sees is consistent: docs/store-format.md.
 """
 
 from __future__ import annotations

@@ -1,105 +1,18 @@
-"""Exporters from a store to the offline formats of the two drafter trainers, as released:
-SpecForge 0.2.0 and vLLM speculators 0.9.0 (`python -m cluster export --store URL --format
-{specforge,speculators} --out DIR`). tests/test_trainers.py loads every export through the
-trainers' own loaders and runs a training step with their own model code.
+"""Export a store to the offline formats of the released drafter trainers, SpecForge 0.2.0 and
+vLLM speculators 0.9.0: `python -m cluster export --store URL --format {specforge,speculators}
+--out DIR`.
 
-Both stream the store through `HiddenStatesIterable` (one block of samples in memory at a time),
-so only committed, written samples are exported; uncommitted shards and failed samples never are.
-Files are named by the store's *global* sample index (its row in the plan), stable across
-resumes and across shards committed later. Every file is written under a temporary name in its
-own directory (`.<name>.tmp-<pid>-<hex>`, which neither trainer's file scan matches), fsynced,
-then `os.replace`d: an interrupted export leaves whole files only, and the next run removes the
-temporaries and skips every sample whose file exists. `export.json` in the output directory
-records the store URL and `store_id` (a uuid written when the store was created: a store made
-again at the same URL has another), its manifest and `job`, the format, what was written
-(`hidden_dtype`, `last_slot`) and `exported` ([index, sample_id] pairs); it is written before the
-first sample (so a resumed run can check it) and rewritten at the end. A run against another
-store (or the same URL created again), manifest, format or choice of state into the same
-directory is refused (`ExportConflict`), as is a non-empty directory without `export.json`.
+Both stream committed, written samples through `HiddenStatesIterable` and name files by the
+store's global sample index. Every file is written under a temporary name
+(`.<name>.tmp-<pid>-<hex>`), fsynced and `os.replace`d, so an interrupted export leaves whole
+files and resumes. `export.json` records the store (`store_id`), manifest, format and what was
+written; a directory made from anything else is refused (`ExportConflict`). SpecForge: one
+torch dict per sample, bf16, exactly 3 aux layers. speculators: a HF dataset, `token_freq.pt`
+and a safetensors file per sample whose last slot is the pre-norm state (a store without it is
+refused unless `allow_post_norm`); an FP8 store in its FP8 format.
 
-SpecForge 0.2.0 (sgl-project/SpecForge), offline EAGLE-3 training data, one torch-saved dict
-per sample; exactly 3 aux layers (others are refused):
-
-    OUT/rows_{g}-{g + 2000}/data_{index}.ckpt      g = index // 2000 * 2000
-    {"input_ids":        int64 [T],
-     "loss_mask":        int64 [T],
-     "hidden_state":     bf16 [1, T, H]          final hidden state, post-norm (the lm_head input)
-     "aux_hidden_state": bf16 [1, T, 3 * H]}     aux layers concatenated on the last axis
-Always bf16: a float32 store is cast with `Tensor.to(torch.bfloat16)`, round to nearest even
-(bf16 stores are copied bit for bit). Train with `specforge train -c run.yaml`, run.yaml holding
-`model.target_model_path`, `model.aux_hidden_state_layer_ids`, `data.hidden_states_path` (this
-directory) and `data.max_length` (the store's); export.json holds it as `specforge_run_config`.
-Sources (the 0.2.0 wheel): `specforge/runtime/data_plane/offline_reader.py`:
-`OfflineManifestReader` / `list_feature_files` walk the directory for `*.ckpt` and `*.ckpt.gz`,
-sorted, the raw keys `input_ids, loss_mask, hidden_state, aux_hidden_state`; `feature_store.py`
-`load_feature_file` (and `data/preprocessing.py` `build_offline_eagle3_dataset` /
-`OfflineEagle3Dataset`) `torch.load(path, weights_only=False, mmap=True)`;
-`algorithms/eagle3/data.py` `normalize_offline_sample` feeds `aux_hidden_state.squeeze(0)` to
-the draft as "hidden_state" and `hidden_state.squeeze(0)` as "target", truncating to
-`data.max_length` (default 2048); `training/strategies/base.py` `_prepare_eagle_target` runs
-`TargetHead` on the target, and `modeling/target/target_head.py` loads that lm_head in bf16
-with no norm (so the target is post-norm, this store's `final_hidden_states`, and must be bf16:
-a float32 one fails in its matmul). `config/schema.py` (`ModelConfig`, `DataConfig`: exactly
-one of the data sources; `hidden_states_path` selects offline mode); `application/planning.py`
-and `algorithms/model_providers.py` `resolve_eagle_capture_layers`: exactly three layer ids,
-default `[1, L // 2 - 1, L - 4]`; `modeling/draft/llama3_eagle.py`: the draft's fc takes
-`3 * hidden_size`. The layer ids are SGLang capture ids, which SGLang's
-`set_eagle3_layers_to_capture` resolves per model family (Llama-style models add 1,
-DeepSeek-style take them as given unless the first is 1): export.json records the ids that
-resolve to this store's HF indices as `specforge_aux_layers` (hsx_store.layers.requested_layer_ids;
-null when the model's config.json is not readable where it runs).
-
-vLLM speculators 0.9.0 (vllm-project/speculators), `speculators train --data-path OUT ...`
-(the 0.9.0 source tree's `scripts/train.py` takes the same flags), read by
-`speculators.train.data.ArrowDataset`; any number of aux layers:
-
-    OUT/  a Hugging Face dataset (`save_to_disk`: state.json, dataset_info.json, data-*.arrow)
-          with one row per planned sample of the store, in store order, torch format:
-          input_ids int64 [T], loss_mask int64 [T], seq_len int64
-    OUT/token_freq.pt   {token id: count} over the loss-masked tokens of every row (int keys
-          and values, torch.save; loads with weights_only=True)
-    OUT/hidden_states/hs_{index}.safetensors
-          {"hidden_states": [T, num_aux + 1, H]   aux layers in ascending layer_ids, then the
-                                                  PRE-norm final state
-           "token_ids":     int64 [T]}            equal to the row's input_ids
-Hidden states in the store's dtype (the trainer casts to its `--hidden-states-dtype`, bf16 by
-default). Sources (the 0.9.0 wheel): `speculators/train/data.py`: `ArrowDataset` loads
-`load_from_disk(datapath)`, hidden states through `hs_connectors.FileTransfer(datapath /
-"hidden_states")` (`hs_{file_idx}.safetensors`, file index = dataset row), wants `token_ids`
-equal to the row's `input_ids` (else the sample is skipped), takes `hidden_states[:, :-1]
-.flatten(1)` as the draft input and `hidden_states[:, -1]` as `verifier_last_hidden_states`,
-`loss_mask` from the row and lengths from `seq_len`; `data_generation/offline.py`
-`check_hidden_states`: keys `token_ids` and `hidden_states`, `hidden_states.shape[0] ==
-len(tokens)`, finite values; `models/eagle3/core.py` `Eagle3DraftModel.forward`: the teacher is
-`verifier_lm_head(verifier_norm(verifier_last_hidden_states))`, so the last slot must be the
-final norm's *input* (as vLLM captures it); its fc takes `len(target_layer_ids) * hidden_size`;
-`models/utils.py` `resolve_target_layer_ids` (default `[2, L // 2, L - 3]`, HF `hidden_states`
-indices) and `train/config/schema.py` ("--target-layer-ids ... excluding the final layer
-launch_vllm.py appends": the aux ids only, as `<ids> <L>` makes the fc one layer too wide);
-`train/cli.py` `_generate_vocab_mappings` reads `<data-path>/token_freq.pt` with
-`torch.load(weights_only=True)` for `--draft-vocab-size`, a dict made as
-`train/vocab_mapping.py` `save_token_frequency_distribution` makes it. Rows without a file
-(failed or uncommitted samples) make the trainer fall back to `--on-missing` (default
-"generate", which asks a vLLM server): the note says `--on-missing skip`.
-
-speculators' FP8 format (an FP8 store): the same files with
-          {"hidden_states":        float8_e4m3fn [T, num_aux + 1, H]   the store's e4m3 bits
-           "hidden_states_scales": float32 [T, num_aux + 1, 1]         the store's scales
-           "token_ids":            int64 [T]}
-read with `--hidden-states-backend fp8`. Source: hs-connectors 0.9.0 (the package speculators
-0.9.0 pins): `hs_connectors/transfer.py` `FP8Transfer` (backend "fp8") loads the file and
-dequantizes `hidden_states.to(bf16) * hidden_states_scales.to(bf16)` before ArrowDataset sees
-it; `fp8_utils.py` `SCALES_KEY = "hidden_states_scales"`. Its own writer
-(`FP8HiddenStatesConnector`) keeps one scale per token ([T, 1, 1]); this store keeps one per
-token and layer, which the same broadcast product reads as it is (checked: FP8Transfer's
-`get_cached` on such an export gives exactly this store's reader rows, hs-connectors 0.9.0).
-The scales are powers of two, so that bf16 product equals this store's reader.
-
-A store without the pre-norm state (manifest `final_states` without "pre_norm") is refused for
-speculators: its post-norm state would be normalized twice (the teacher then agrees with the
-model's own top-1 only ~80% of the time), and RMSNorm drops the scale, so the pre-norm state
-cannot be rebuilt. `allow_post_norm=True` (`--allow-post-norm`) writes the post-norm state in
-the last slot anyway, with a warning and `last_slot: "post_norm"` in export.json.
+Layouts, training commands, and the trainers' sources they were read from:
+docs/using-the-data.md.
 """
 
 from __future__ import annotations
@@ -174,7 +87,7 @@ def export(
     say: Callable[[str], Any] = print,
 ) -> dict[str, Any]:
     """Export every committed, written sample of the store at `url` into `out_dir` in `fmt`
-    (see the module docstring for both layouts). Resumable: a sample whose file exists is
+    (both layouts: docs/using-the-data.md). Resumable: a sample whose file exists is
     skipped. `allow_post_norm`: speculators only, write a store's post-norm final state in
     the last slot when it has no pre-norm one (refused otherwise). Returns {format, out_dir,
     exported (written this run), skipped (already there), files (sample files the export now

@@ -1,51 +1,17 @@
 """The Zarr v3 store: the product's public data format (schema, layout, opening).
 
-One Zarr v3 group, flat and token-major; sample i owns rows `sample_rows(i)` of each [T, ...]:
+One Zarr v3 group, flat and token-major: sample i owns rows `sample_rows(i)` of every [T, ...]
+array. `Manifest` (the group attribute "manifest") is what a reader or a resume needs; `layout`
+lays samples out in chunk-aligned work shards; `Store.open` refuses a store of another schema
+version (`StoreFormatError`) or one whose creation was interrupted (`StoreIncomplete`). bf16 is
+kept as uint16 bits (`BF16_ATTR`), FP8 as uint8 bits beside a scale array (hsx_store/fp8.py).
 
-| array | shape, dtype | chunks | written by |
-|---|---|---|---|
-| `input_ids` | [T] int32 | chunk_tokens | driver |
-| `loss_mask` | [T] uint8 | chunk_tokens | driver |
-| `aux_hidden_states` | [T, num_aux, H] uint16 bf16 bits/float32/fp8 bits | chunk_tokens | workers |
-| `final_hidden_states` | [T, H] same, after the final norm | chunk_tokens | workers |
-| `prenorm_hidden_states` | [T, H] same, the final norm's input (*) | chunk_tokens | workers |
-| `<hidden array>_scale` | [T, num_aux] / [T] float32 (FP8 stores only) | chunk_tokens | workers |
-| `sample_start` | [N] int64 | PER_SAMPLE_BLOCK | driver |
-| `sample_length` | [N] int32 | PER_SAMPLE_BLOCK | driver |
-| `sample_id` | [N] string (variable-length UTF-8) | samples_per_shard | driver |
-| `sample_status` | [N] uint8: 0 planned, 1 written, 2 failed | samples_per_shard | workers |
-| `shard_committed` | [S] uint8: 1 once the shard's rows are complete | 1 | workers |
-| `shard_summary` | [S] string (JSON per shard; "" until committed) | 1 | workers |
-| `shard_plan_sha256` | [S] string: sha256 of its planned ids + mask | PER_SHARD_BLOCK | driver |
+Every Zarr object has exactly one writer: only the driver writes metadata (array shapes while
+planning, attributes); a worker writes only its shard's whole chunks, its `sample_status` chunk
+and its own `shard_committed` / `shard_summary` elements.
 
-(*) only where the manifest's `final_states` holds "pre_norm" (the default of new stores).
-
-The plan streams in (hsx_store/builder.py): the driver creates every array empty and writes the
-group attribute `created`, then appends planned shards group by group, each shard's digest in
-`shard_plan_sha256` after its rows, so a shard is planned exactly when its digest is there;
-workers capture planned shards while later ones are still being planned. `planned` is written
-last, after every shard, the rejects and the arrays' exact shapes. A store without `created` was
-interrupted before any worker could use it (`Store.open` raises `StoreIncomplete`; the driver
-creates it again); one with `created` but no `planned` is resumed by planning again and
-checking the shards it holds (planning is deterministic). Schema 2-3 stores were planned whole
-before `created`.
-
-Group attributes: `manifest` (`Manifest.to_json()`), `store_id` (a uuid new at every creation:
-what an export was made from), `rejected` (plan-time rejects,
-`[{"sample_id", "reason"}]`, complete once `planned`), `job` (what the plan was made from: data
-sources and their sha256, plan options; resume compares it) and, written by the driver once a
-run ends, `report` (the final report of the latest run). bf16 has no Zarr 3.1 dtype, so hidden
-states keep their raw bits in uint16 with the attribute `BF16_ATTR`; view them back with
-`ml_dtypes.bfloat16` or torch. An FP8 store (manifest dtype `fp8_e4m3`, quantized from a
-bf16 capture) keeps each hidden array's e4m3 bits in uint8 (attribute `FP8_ATTR`) and, next
-to it, one float32 scale per row (a token's layer) in `<array>_scale` (attribute `scale_of`),
-chunked alike; value = e4m3 value x scale, the scale a power of two (store/fp8.py).
-
-Concurrency: only the driver writes metadata (array shapes, while planning; attributes), each
-write one atomic object; a worker writes only its shard's chunks (whole chunks, token ranges are
-chunk-aligned), its one `sample_status` chunk and its own `shard_committed` / `shard_summary`
-elements, so every Zarr object has exactly one writer. Rows that are never written (padding,
-failed samples) read back as zero and, being all fill value, are not stored.
+The schema (arrays, attributes, manifest fields, schema versions, commit rules):
+docs/store-format.md.
 """
 
 from __future__ import annotations

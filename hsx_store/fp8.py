@@ -1,30 +1,15 @@
 """FP8 (e4m3) storage of hidden-state rows: one scale per row (a token's layer).
 
-A row x of H values is stored as the e4m3 bits of x / s (uint8: zarr 3.1 has no fp8 dtype)
-and its scale s (float32), with
+A row x is stored as the e4m3 bits of x / s (uint8: zarr 3.1 has no fp8 dtype) and its scale s
+(float32): s = 2 ** (e - 8) for max |x| = m * 2 ** e, 0.5 <= m < 1 (frexp); 0 for an all-zero
+row. A power of two, so nothing saturates and scaling and dequantizing are exact: the only
+rounding is the one to e4m3. Non-finite input is refused (ValueError naming the row).
 
-    s = 2 ** (e - 8) where amax = max |x| = m * 2 ** e, 0.5 <= m < 1 (frexp); s = 0 for
-        an all-zero row,
+Quantizing works on blocks of rows of QUANT_BLOCK_BYTES (as float32): reductions and scaling in
+numpy, casts in torch on blocks below its parallel grain (torch's row reductions stalled on a
+busy 2-core machine).
 
-so |x / s| < 256 <= 448 (e4m3's largest): no value saturates. A power of two rather than
-amax / 448 because e4m3 is floating point: its relative precision (3 mantissa bits) does not
-depend on the scale, which only sets the range, and a power of two makes both x / s and the
-dequantization q * s exact. So the only rounding is the one to e4m3 (round to nearest even),
-and dequantizing in float32 (here) or in bf16 (speculators' FP8 reader: `fp8.to(bf16) *
-scale.to(bf16)`) gives the same bf16 values (for amax >= 2 ** -118, where s is a normal
-bf16). float32 scales: 4 bytes a row, 0.06% of a Kimi row (7168 bytes), and no range limits
-(a float16 scale underflows below ~6e-8). An all-zero row stores scale 0, as do rows never
-written (fill value), and both read back as zeros. The rounding error per value is at most
-2 ** -4 relative (half a unit of 3 mantissa bits), or 2 ** -10 x s where |x / s| < 2 ** -6.
-
-Non-finite input is refused (ValueError naming the row), never stored: e4m3fn has no inf,
-and a NaN turned into a finite number would hide it. Captures are checked for finiteness
-before they are written (actors/dump_checks.py), so this only guards the writer's contract.
-
-Quantizing works on blocks of rows of QUANT_BLOCK_BYTES (as float32), so its extra memory is
-one small block whatever the sample's size; the reductions and the scaling run in numpy on the
-caller's thread, the casts in torch on blocks below its parallel grain (32768 elements), as
-torch's row reductions stalled on this busy 2-core machine (aminmax ~100x slower than numpy).
+Why a power of two, the error bounds, the bytes: docs/store-format.md.
 """
 
 from __future__ import annotations

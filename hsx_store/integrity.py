@@ -1,41 +1,14 @@
-"""Verify a hidden-state store (`python -m cluster verify`, cluster/verify.py, is the command).
+"""Verify a hidden-state store: the checks that need no model. The command is
+`python -m cluster verify` (cluster/verify/command.py); the model checks are in cluster/verify/.
 
 Reads the store (never writes it) and reports every problem it finds, each naming the shard,
-sample or array concerned; it stops early only when the store cannot be opened at all. Checks,
-each reported OK / FAIL / SKIP by name:
-
-- manifest:  the group attribute `manifest` is present, a JSON object, of a schema version
-             this code reads (READABLE_SCHEMA_VERSIONS), with every field of the right type and
-             value (Store.open's rules);
-             the plan is complete (`planned`, schema 4); `sample_start` equals the
-             deterministic layout and every sample has >= 1 token.
-             Failing it makes the store unreadable (exit 2): the other checks are skipped.
-- arrays:    every array exists with the shape, dtype, chunks, codec and attributes the manifest
-             and layout imply (uint16 + the bf16 attribute for bfloat16; uint8 + the fp8
-             attribute and a float32 `<name>_scale` array for fp8_e4m3); lengths agree.
-- layout:    sample lengths <= max_length; sample ranges inside the arrays, not overlapping;
-             shards start on chunk boundaries.
-- commits:   every planned sample is in a committed shard with status written (1) or failed
-             (2, named with a reason in the shard's summary); uncommitted shards are named with
-             the samples they miss; each committed summary parses and agrees with
-             `sample_status`. Plan-time rejects are listed (info, not a failure).
-- plan:      the `input_ids` and `loss_mask` rows of every committed shard hash to the
-             `shard_plan_sha256` recorded when the store was created (the plan as it was made).
-- chunks:    every chunk of the hidden arrays that a committed shard's rows cover is stored
-             (the store's key listing; skipped where the store cannot list keys). A missing
-             chunk reads back as zeros, which only this check tells from a real value.
-- values:    the hidden rows of every written sample of a committed shard are finite (bf16
-             read off its exponent bits; fp8: no e4m3 NaN and a scale that is 0 or a finite
-             power of two, so every dequantized value is finite) and no row is all zero;
-             read shard by shard in chunk-aligned blocks of bounded size.
-- recompute: with a model and N > 0, N seeded random written samples are prefilled again on one
-             patched SGLang server and compared with the stored rows (cosine and relative RMS
-             error; bit-exact is not expected, batching differs).
-- logprobs:  with a model and N > 0, N seeded random written samples: the logprobs the server
-             gives their prompts against log_softmax(stored final state @ the model's lm_head)
-             (top-1 agreement, max / mean error; cluster/verify/logprobs.py).
+sample or array concerned; it stops early only when the store cannot be opened. Checks, each
+reported OK / FAIL / SKIP by name: manifest, arrays, layout, commits, plan, chunks, values (and
+recompute, logprobs when cluster/verify passes them). A failed manifest check makes the store
+unreadable and skips the rest.
 
 Exit status (`VerifyReport.exit_code`): 0 no errors, 1 errors, 2 the store cannot be read.
+What each check proves: docs/using-the-data.md.
 """
 
 from __future__ import annotations
@@ -787,9 +760,9 @@ def verify_store(
     storage_options: Mapping[str, Any] | None = None,
     say: Callable[[str], None] = print,
 ) -> VerifyReport:
-    """Run every check on the store at `url` (read only); see the module docstring.
-    `recompute` and `logprobs` are the checks that need the model (cluster/verify.py passes
-    them); each returns a skip reason or None, like the others."""
+    """Run every check on the store at `url` (read only; the checks: docs/using-the-data.md).
+    `recompute` and `logprobs` are the checks that need the model (cluster/verify/command.py
+    passes them); each returns a skip reason or None, like the others."""
     started = time.monotonic()
     report = VerifyReport(url=str(url))
     store = open_store(url, report, storage_options)

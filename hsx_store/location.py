@@ -1,11 +1,12 @@
 """Where a store lives: a local directory (or shared POSIX mount), or object storage by URL.
 
 `s3://bucket/prefix.zarr` (and every other scheme obstore serves: `gs://`, `az://`, ...) opens
-through zarr's `ObjectStore` over obstore, chosen over fsspec/s3fs by measurement (README):
-~2.5x less client CPU per byte PUT and ~1.6x less per byte read, 16 MB with no dependencies,
-and usable from any event loop. Endpoint, region and credentials come from the environment
-(`AWS_ENDPOINT_URL`, `AWS_REGION`, `AWS_ACCESS_KEY_ID`, `AWS_SECRET_ACCESS_KEY`, ...) or from
-`storage_options` (obstore's config keys, plus `client_options` and `retry_config`).
+through zarr's `ObjectStore` over obstore, chosen over fsspec/s3fs by measurement
+(docs/running-a-job.md): ~2.5x less client CPU per byte PUT and ~1.6x less per byte read, 16 MB
+with no dependencies, and usable from any event loop. Endpoint, region and credentials come
+from the environment (`AWS_ENDPOINT_URL`, `AWS_REGION`, `AWS_ACCESS_KEY_ID`,
+`AWS_SECRET_ACCESS_KEY`, ...) or from `storage_options` (obstore's config keys, plus
+`client_options` and `retry_config`).
 
 Secrets are never part of a URL here and never printed: every error names the URL alone, with any
 secret value that reaches a message replaced by `***`.

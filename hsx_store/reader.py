@@ -5,25 +5,14 @@
     it = HiddenStatesIterable(url, rank=rank, world_size=ws)   # sequential, shard-aware
     DataLoader(it, batch_size=None, num_workers=4)
 
-Each sample is a dict: `sample_id` (str), `input_ids` (int64 [T]), `loss_mask` (int64 [T]),
-`aux_hidden_states` ([T, num_aux * H], the aux layers concatenated in the manifest's ascending
-`layer_ids` order, as EAGLE-3 consumes them), `final_hidden_states` ([T, H], after the model's
-final norm) and, when the store keeps it (manifest `final_states`), `prenorm_hidden_states`
-([T, H], the final norm's input); hidden states are bf16 tensors viewing the stored bits
-(float32 for a float32 store). An FP8 store's (store/fp8.py) are dequantized to bf16 (exactly:
-e4m3 value x a power-of-two scale); with `fp8="raw"` they are its float8_e4m3fn values
-instead, unflattened (aux [T, num_aux, H]), each with `<name>_scale` (float32, one per row:
-aux [T, num_aux], the final states [T]).
+A sample is a dict of `sample_id`, `input_ids`, `loss_mask`, `aux_hidden_states`,
+`final_hidden_states` and, where the store keeps it, `prenorm_hidden_states`; FP8 stores read as
+bf16 unless `fp8="raw"`. The visible samples are a snapshot taken when the reader is built. The
+store is opened lazily in each process (on object storage: not in a forked worker). Chunks are
+read ahead of the consumer: local files by hsx_store/file_rows.py, remote objects by
+hsx_store/object_rows.py.
 
-The set of visible samples is fixed when the reader is built (a snapshot of the commit markers
-and sample statuses): samples of uncommitted shards, and failed samples, are never returned.
-The store itself is opened lazily in each process (DataLoader workers get the reader pickled
-without its handle), and refused if its schema version is unknown (`StoreFormatError`).
-A store on object storage cannot be read in a forked DataLoader worker (use 'spawn').
-
-Local chunk files are read straight into the samples' buffers, several at a time
-(hsx_store/file_rows.py); remote chunk objects are fetched whole, several at a time
-(hsx_store/object_rows.py); the sequential reader reads ahead of its consumer on both.
+Every key, shape and dtype: docs/using-the-data.md.
 """
 
 from __future__ import annotations

@@ -6,6 +6,8 @@ server process. It does nothing unless its environment asks for it (patches/sett
   HIDDEN_CAPTURE_RID_PREFIX into dumps under that directory (patches/capture_hook.py);
 - on by default, HIDDEN_CAPTURE_MLA_CPU_FIX=0 turns it off: repair DeepSeek MLA prefill on
   SGLang's CPU `torch_native` attention (patches/mla_cpu_fix.py).
+
+Design: docs/design/capture-plugin.md.
 """
 
 from __future__ import annotations

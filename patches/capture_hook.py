@@ -1,30 +1,18 @@
 """Per-request capture of aux + final hidden states from SGLang's prefill forwards.
 
 Three hooks, all installed through SGLang's HookRegistry:
-- AFTER `ForwardBatch.init_new`: remember each request's prompt length and whether it was ever
-  retracted (the forward batch carries neither; chunked prefill needs the length to know when a
-  prompt is complete);
-- AROUND the layer stack's terminal norm (`residual.batch.final_norm`, which every SGLang model
-  calls once per forward): keep the norm's input, the last layer's output with its residual
-  added (the pre-norm final state vLLM speculators trains on), through the function's own
-  `capture` callback, for the forward hook (the model may see another ForwardBatch object
-  than the runner, so it is kept per process: a scheduler runs its forwards one at a time);
-- AFTER `ModelRunner.forward`: for every extend forward, cut the packed aux states
-  (`logits_output.hidden_states` [T, n_aux*H]), the post-norm final states
-  (`logits_output.last_hidden_states` [T, H]) and the pre-norm ones per request, copy our
-  requests' rows into their dumps, and publish each dump once its prompt is complete. The
-  dump's location goes back to the client through `logits_output.customized_info`, which
-  SGLang puts in `meta_info`.
+- AFTER `ForwardBatch.init_new`: each request's prompt length, and whether it was retracted;
+- AROUND `residual.batch.final_norm`: keep the norm's input (the pre-norm final state) through
+  its `capture` callback, per process, for the forward hook;
+- AFTER `ModelRunner.forward` (eager after every forward, CUDA-graph replays included): cut the
+  aux, post-norm and pre-norm states per request, copy our requests' rows into their dumps,
+  publish each dump once its prompt is complete, and return its location through
+  `logits_output.customized_info` (SGLang's `meta_info`).
 
-This hook runs eagerly after every forward, CUDA-graph replays included, with outputs
-already trimmed of graph padding (unlike a hook on the model's own forward).
+The first rank of each attention-TP group writes; under `--dp-size` or DP attention every DP
+rank publishes into `<dump_dir>/dp<rank>/`.
 
-Which process writes: the first rank of each attention-TP group (hidden states are replicated
-across it). Without data parallelism that is TP rank 0, the one scheduler that sees all
-requests. Under `--dp-size N` (N replicas) or DP attention (`--attn-dp-size N`) every DP rank
-is a scheduler with requests of its own and a counter of its own, so each publishes into
-`<dump_dir>/dp<rank>/` (names can never collide, and each writer keeps its private files to
-itself) and says its rank in the dump's meta and in the response.
+Design: docs/design/capture-plugin.md.
 """
 
 from __future__ import annotations

@@ -4,33 +4,15 @@ A dump (its layout and the consumer's API: ``patches/dump_files.py``) is built i
 ``root/.tmp-<name>`` and published with one ``os.rename``, so a reader never sees a partial dump.
 The host memory and files behind it come from ``patches/host_regions.py``.
 
-Data path with CUDA (the ring): the writer keeps a few *regions*, files under ``root/.ring/`` that
-it maps (MAP_SHARED) and registers with ``cudaHostRegister`` once, when it makes them; they stay
-registered until ``close()``. A dump takes one free region: its safetensors header is written at
-the start, ``fill()`` copies device rows straight into it (D2H on a side stream, no host copy),
-and publishing moves the region file into the dump dir. The file always spans the whole region
-(a trailing ``__pad__`` tensor covers the rest), so a pinned mapping is never truncated.
+With CUDA, a ring of *regions*: files under ``root/.ring/``, mapped and registered with
+``cudaHostRegister`` once; ``fill()`` copies device rows straight into a region (side stream,
+no host copy), publishing moves the file into the dump dir, and ``release_dump`` renames it
+back so the region is reused (a dump deleted instead leaks its region: replaced, with a
+warning). Without CUDA, or where registering a mapping on ``root`` fails, a staging buffer and
+a multi-threaded copy into a plain file. Must not import sglang: benchmarks and tests load it.
 
-Recycling is a file-rename protocol, so the consumer may be another process: once done with a
-dump, the consumer calls ``release_dump(path)``, which renames its tensors file back into
-``root/.ring/`` (same tmpfs: same inode, so the writer's pinned mapping stays valid) and removes
-the dump dir. The writer notices the inode in ``.ring/`` (polling it, or told directly when the
-release happens in its own process) and reuses the region. A consumer that deletes a dump instead
-(``rmtree``) leaks its region: the writer sees the inode's link count drop to 0, warns once and
-makes a replacement; only if leaked regions exceed ``max_pending_bytes`` does it unregister them
-(which waits for the whole GPU to go idle: the reason regions are otherwise never unregistered).
-
-Why not unregister per dump: ``cudaHostUnregister`` waits until the whole GPU has drained
-(~0.45 s behind 0.5 s of queued matmuls, on any stream); a design that pinned and unpinned a file
-per dump sustained ~8 GB/s and slowed concurrent compute 6.5-25 %. Why not a pinned staging
-buffer plus a host copy into a plain file (the fallback below): the host copy caps it at
-~8-10 GB/s. See benchmarks/dump_writer_gpu.py.
-
-Without CUDA (or when registering a mapping on ``root`` fails, e.g. root is not tmpfs) the writer
-uses the simple path: a staging buffer (pinned with CUDA) and a multi-threaded copy into a plain
-file of exactly the dump's size; ``release_dump`` then just deletes the dump.
-
-Must not import sglang: benchmarks and tests load it without a server.
+Design, measurements, and why regions are not unregistered per dump:
+docs/design/capture-plugin.md.
 """
 
 from __future__ import annotations

@@ -1,23 +1,14 @@
 """`verify --logprobs N`: do the stored final states give the model's own next-token logprobs?
 
-A check that scales to Kimi-K2.5: it needs the model's output head alone (hsx_store/lm_head.py,
-~2.3 GB in bf16, not a second copy of a ~600 GB model, no HF transformers) and the patched
-server that `verify` starts anyway (cluster/verify/server.py, shared with `--recompute`).
+For N seeded random written samples (the recompute's choice), the server shared with
+`--recompute` (cluster/verify/server.py) prefills the stored `input_ids` with `return_logprob`;
+the check computes log_softmax(stored post-norm final state @ lm_head.T) itself, in float32, in
+bounded blocks, with the head read alone from the checkpoint (hsx_store/lm_head.py). Per sample:
+the top-1 agreement (near-ties within `tie` count as agreeing) and the mean / max absolute
+logprob error, within `TOLERANCE`, whose measurements are next to it. Models whose logits
+SGLang scales or caps are refused.
 
-For N seeded random written samples of committed shards (the recompute's choice), the server
-prefills the stored `input_ids` once with `return_logprob`, `logprob_start_len=0` and
-`top_logprobs_num=1` (greedy, one new token; a rid without the capture prefix, so no dump),
-and the check computes log_softmax(stored post-norm final state @ lm_head.T) itself, in
-float32, in blocks of rows and of the vocabulary (memory stays bounded: never T x V logits at
-once; at Kimi's head size, 163840 x 7168, ~2.3 s per 1k tokens on 16 CPU cores). Row t of a
-sample is compared with the server's logprob of token t+1; the last row, which has no next
-token, with the server's top-1 logprob of the token it generates. Per sample: the top-1
-agreement (the server's top-1 token against the argmax of the stored row's logits; a flip
-between tokens tied within `tie` is noise) and the max / mean absolute logprob error, each
-within `TOLERANCE`. Rows of another sample, or shifted by one token, fail it by far.
-
-Models whose logits SGLang scales or caps (`logit_scale`, `final_logit_softcapping`) are
-refused: the check computes plain logits.
+Design: docs/design/verify.md.
 """
 
 from __future__ import annotations

@@ -1,31 +1,14 @@
-"""`python -m cluster verify --store URL [--model PATH --recompute N]`: the store's own checks
-(hsx_store/integrity.py) plus the one that needs the model, which starts a server so lives here.
+"""`verify --recompute N`: a random sample of stored rows against fresh captures of the same
+prompts, on the patched server shared with the logprob check (cluster/verify/server.py).
 
-The recompute check: a random sample of stored rows against fresh captures of the same prompts.
+Each chosen sample is prefilled alone and inside a batch of the others. Per sample and hidden
+array the statistic is the largest per-row relative RMS difference. The alone-vs-batched spread
+is the noise; the stored rows must be within `NOISE_MULTIPLE` x max(noise, `NOISE_FLOOR`) of the
+nearer recompute, and `CROSS_MARGIN` times further from any other checked sample's recompute
+where their contexts differ. Every finding names the sample, the array, both figures and the
+bound. The bounds' measurements are in the comments next to the constants.
 
-One patched SGLang server (cluster/verify/server.py, shared with the logprob check) is started on
-the model (its config and tokenizer must hash as the store's manifest says), calibrated like a
-worker's, and asked for the stored input ids of each
-chosen sample twice: alone (one request at a time) and inside a batch (all chosen samples sent
-at once, so SGLang prefills them together). Bit equality is not expected: bf16 results depend on
-what a sample is batched with (kernel choice by batch size, chunked-prefill boundaries), so the
-job's rows, captured in the job's batches, differ from any recompute by rounding. The check
-measures that rounding instead of assuming it. Per sample and hidden array, the statistic is the
-largest per-row relative RMS difference, max over rows of |x - r| / |r| (r the recompute's row;
-an aux token's layers are rows of their own):
-
-- noise: alone vs batched recompute, the spread batch composition alone causes here;
-- the stored rows against the nearer of the two recomputes must be within
-  `NOISE_MULTIPLE` x max(noise, `NOISE_FLOOR[dtype]`) (the floor keeps a batch-invariant
-  recompute, whose noise is 0, from demanding bit equality of the job's rows);
-- cross-sample: on the rows where two checked samples' contexts differ (from their first
-  differing token to the shorter's end), a sample's stored rows must be `CROSS_MARGIN` times
-  further from the other's recompute than from its own: rows written to the wrong sample fail
-  even where the noise is large.
-
-Every check names the sample, the array, both figures and the bound. The alone recomputes of the
-checked samples stay in memory for the cross check (rows x (aux layers + 1) x hidden in the
-server's dtype, per sample).
+Design: docs/design/verify.md.
 """
 
 from __future__ import annotations
