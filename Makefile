@@ -1,7 +1,9 @@
 # Everything a user or CI runs goes through here; each target sets up the venv first.
 #   make demo                 set up, then run the demo on a tiny DeepseekV3 (CPU)
-#   make test                 set up, then run the test suite (real SGLang servers on CPU)
+#   make test                 set up, then run every test (real SGLang servers on CPU, Ray, S3)
+#   make test-fast            set up, then run tests/unit: no server, no Ray, no S3 (< 3 min)
 #   make bench [BENCH=name]   set up, then run every benchmark, or one
+#   make docs                 regenerate docs/configuration.md from the config models
 PYTHON ?= python3.11
 VENV := .venv
 PY := $(VENV)/bin/python
@@ -16,7 +18,7 @@ SETUP_INPUTS := Makefile pyproject.toml requirements/sglang-cpu.lock.txt require
 	shims/sgl_kernel/pyproject.toml $(wildcard shims/sgl_kernel/src/sgl_kernel/*.py)
 BENCH ?=
 
-.PHONY: setup demo test bench lint clean
+.PHONY: setup demo test test-fast bench docs lint clean
 
 setup: $(STAMP) $(TRAINERS_STAMP)
 
@@ -53,8 +55,16 @@ demo: setup
 test: setup
 	$(PY) -m pytest
 
+# The markers come from the fixtures a test uses (tests/conftest.py); tests/unit holds none of
+# these, and the selection says so again.
+test-fast: setup
+	$(PY) -m pytest tests/unit -m "not (server or ray or s3 or trainers)"
+
 bench: setup
 	$(PY) -m benchmarks.run $(BENCH)
+
+docs: setup
+	$(PY) -m tools.config_reference
 
 lint: setup
 	$(VENV)/bin/ruff check .

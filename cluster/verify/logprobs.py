@@ -44,7 +44,8 @@ class Bounds(NamedTuple):
 
 # Per sample, of stored final states against the server's logprobs of the same prompt,
 # prefilled alone (the rows were captured in a batch). Measured on the tiny models on CPU
-# (tests/test_verify_logprobs.py, 8 samples of 2..95 tokens captured at once), worst sample:
+# (tests/integration/test_verify_model_checks.py, 8 samples of 2..95 tokens captured at once),
+# worst sample:
 #                          exact top-1   mean |error|   max |error|   (nats)
 #   llama-tiny bf16        100%          3.3e-3         6.5e-3
 #   deepseek-v3-tiny bf16  93.3%         3.0e-3         7.2e-3   (100% counting ties <= 0.05)

@@ -32,27 +32,28 @@ if TYPE_CHECKING:  # torch is imported where a recompute needs it: plain checks 
 
     from actors.sglang_server import SGLangServer
 
-# Bounds of the recompute check, from figures measured on llama-tiny in bf16 on CPU (tests/
-# test_verify.py's bf16 job, three runs: 8 prompts of 3..48 tokens, `--chunked-prefill-size
-# 16`). Without chunked prefill, alone and batched recomputes were bit-identical (prompts of
-# 3..141 tokens, llama-tiny and llama-bench); with it a batch moves the chunk boundaries: alone
-# vs batched 0.33%..1.20% where they moved, 0 where not (which samples, varied run to run). The
-# job's rows against the nearer recompute: 0..1.16%, up to 2.9 x the noise where it was small,
-# 0.79%..1.16% where the recomputes agreed bit for bit (the job batched those otherwise), so at
+# Bounds of the recompute check, from figures measured on llama-tiny in bf16 on CPU (the bf16
+# job of tests/integration/test_verify_model_checks.py, three runs: 8 prompts of 3..48 tokens,
+# `--chunked-prefill-size 16`). Without chunked prefill, alone and batched recomputes were
+# bit-identical (prompts of 3..141 tokens, llama-tiny and llama-bench); with it a batch moves
+# the chunk boundaries: alone vs batched 0.33%..1.20% where they moved, 0 where not (which
+# samples, varied run to run). The job's rows against the nearer recompute: 0..1.16%, up to
+# 2.9 x the noise where it was small, 0.79%..1.16% where the recomputes agreed bit for bit
+# (the job batched those otherwise), so at
 # most 1.16 x max(noise, 1%). Wrong rows: 50% (scaled by 1.5), 100%..153% (shifted by a token,
 # another sample's); another sample's recompute >= 118% from correct rows.
 # So a multiple of 4 (3.4 x the worst ratio seen) and, in bf16, a floor of 1% (~2.5 roundings
 # of the 8-bit significand): the bound is >= 4%, 12 x below the nearest wrong rows. float32
 # (deepseek-v3-tiny, the float32 job): alone vs batched 0..6.1e-7, the job's rows 0..1.6e-7
 # from the nearer recompute; its floor of 1e-5 is 16 x that noise and 10 x what float32
-# serving differs from HF float32 by (<= 1.0e-6 relative RMS, tests/hf_reference.py).
+# serving differs from HF float32 by (<= 1.0e-6 relative RMS, tests/helpers/hf_reference.py).
 NOISE_MULTIPLE = 4.0
 # fp8_e4m3 stores hold bf16 rows rounded to e4m3: their worst row is 3.1% from the bf16 one
 # (benchmarks/fp8_fidelity.py on captured rows), on top of bf16's 1.16%: a floor of 2% (a bound
 # of 8%, still 6 x below the nearest wrong rows' 50%).
 NOISE_FLOOR = {"bfloat16": 1e-2, "float32": 1e-5, FP8_DTYPE: 2e-2}
 # Cross-sample: another sample's recompute must be this many times further than the own one
-# (the margin tests/test_capture_server.py asks of the HF reference).
+# (the margin tests/integration/test_capture_server.py asks of the HF reference).
 CROSS_MARGIN = 10.0
 # Concurrent requests of the batched recompute: enough for SGLang to batch several.
 BATCH_REQUESTS = 16

@@ -1,0 +1,329 @@
+"""The whole job on two simulated GPU nodes (ray.cluster_utils.Cluster), each with a real CPU
+SGLang server on the tiny DeepseekV3, or on one node running two servers: exactly-once output
+that matches its plan and an independent HF reference, bad rows rejected, a killed worker, a
+killed driver and a resume."""
+
+from __future__ import annotations
+
+import itertools
+import os
+import signal
+import subprocess
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import ray
+import yaml
+from ray.cluster_utils import Cluster
+
+from cluster import plan_sources
+from cluster.config import parse_config
+from cluster.driver import Driver, _Running, run_job
+from cluster.job_store import manifest_for, open_or_create, plan_into
+from cluster.plan import build_plan
+from cluster.plan_feed import PlanFeed
+from cluster.report import ProgressMeter
+from cluster.shard_queue import ShardQueueActor
+from cluster.verify import verify
+from hsx_store.export import FORMATS, export
+from hsx_store.format import Store, create_store
+from hsx_store.reader import HiddenStatesDataset
+from tests.helpers.jobs import (
+    FinishedJob,
+    assert_exactly_once,
+    assert_store_matches_reference,
+    job_config,
+    kill_after_commits,
+    start_driver,
+    store_committed,
+)
+from tests.helpers.prompts import BAD_LINES, write_prompts
+from tests.helpers.ray_cluster import PAIR_NODE
+from tools.s3_server import S3Server
+
+
+def test_two_nodes_write_every_sample_once_matching_plan_and_reference_and_reject_bad_rows(
+    deepseek_job: FinishedJob, deepseek_path: Path
+) -> None:
+    rows, log = deepseek_job.rows, deepseek_job.log
+    store = Store.open(deepseek_job.url)
+    assert_exactly_once(store, rows, deepseek_path)
+    reasons = {r["sample_id"]: r["reason"] for r in store.rejected}
+    assert set(reasons) == {*BAD_LINES, "prompts.jsonl:6"}, reasons
+    assert "256" in reasons["bad-long"] and "malformed JSON" in reasons["prompts.jsonl:6"]
+    assert "int" in reasons["bad-type"] and "content" in reasons["bad-content"]
+    # Loss masks: assistant tokens of chat rows only, every token of text rows.
+    mask = np.asarray(store.group["loss_mask"][:])
+    for i, row in enumerate(rows):
+        m = mask[store.sample_rows(i)]
+        assert m.all() if "text" in row else (m.any() and not m.all()), row["id"]
+    assert_store_matches_reference(store, deepseek_path, [0, len(store.shards) - 1])
+    report = store.group.attrs["report"]
+    assert report["ok"] and report["samples"]["written"] == len(rows)
+    assert report["samples"]["rejected_at_plan"] == 5
+    text = "\n".join(log)
+    assert "storage estimate" in text and "hidden-state extraction report" in text
+    assert "ETA" in text
+
+
+def test_planning_on_two_nodes_gives_the_store_planning_in_one_process_gives(
+    ray_nodes: Cluster, deepseek_path: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    write_prompts(tmp_path / "prompts.jsonl", 40, bad=True)
+    monkeypatch.setattr(plan_sources, "PART_BYTES", 300)  # ~15 parts, on both nodes' CPUs
+    raw = job_config(deepseek_path, tmp_path / "prompts.jsonl", tmp_path / "s.zarr", tmp_path)
+    config = parse_config(raw)
+    _, _, builder = open_or_create(config, say=lambda _: None)
+    fed: list[int] = []
+    said: list[str] = []
+    plan_into(builder, config, 3, lambda shards: fed.extend(sh.index for sh in shards), said.append)
+
+    plan = build_plan(config.data, deepseek_path)  # in this process, in one go
+    # The storage estimate: projected early from the first parts, then exact.
+    projected, final = [line for line in said if line.startswith("plan")]
+    assert projected.startswith("plan, projected from its first 8 of ") and "GB" in projected
+    assert final.startswith(f"plan: {len(plan.sample_ids)} samples, {plan.total_tokens:,} tokens")
+    projected_samples = int(projected.split("parts: ")[1].split()[0])
+    # Parts of 300 bytes hold 0-3 lines, the bad ones early: a rough projection, yet a sane one.
+    assert 0.25 * len(plan.sample_ids) < projected_samples < 4 * len(plan.sample_ids)
+    manifest = manifest_for(config, plan.chat_template)
+    ref = create_store(
+        tmp_path / "ref.zarr",
+        manifest,
+        plan.sample_ids,
+        plan.input_ids,
+        plan.loss_masks,
+        rejected=plan.rejected,
+    )
+    assert fed == list(range(len(ref.shards)))  # every shard handed out once, in order
+    streamed = Store.open(tmp_path / "s.zarr")
+    assert streamed.planned and streamed.rejected == ref.rejected != []
+    for name in ("input_ids", "loss_mask", "sample_start", "sample_length", "sample_id"):
+        got, want = streamed.group[name], ref.group[name]
+        assert got.shape == want.shape and got.dtype == want.dtype, name
+        assert np.asarray(got[:]).tobytes() == np.asarray(want[:]).tobytes(), name
+
+
+def test_two_servers_on_one_node_and_a_killed_one_is_replaced_in_its_slot_exactly_once(
+    ray_nodes: Cluster, deepseek_path: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Also: capture starts on the first planned shards while the rest is still planned."""
+    rows = write_prompts(tmp_path / "prompts.jsonl", 30)
+    monkeypatch.setattr(plan_sources, "PART_BYTES", 400)  # parts of a few rows each
+    # Planning holds after its first shards until the test has seen one committed.
+    resume_planning, fed = threading.Event(), itertools.count()
+    feed = PlanFeed._feed
+
+    def held_feed(self: PlanFeed, shards: list) -> None:
+        if next(fed) > 0:
+            assert resume_planning.wait(600), "planning was never resumed"
+        feed(self, shards)
+
+    monkeypatch.setattr(PlanFeed, "_feed", held_feed)
+    raw = job_config(deepseek_path, tmp_path / "prompts.jsonl", tmp_path / "s.zarr", tmp_path)
+    raw["worker"].update(node_resource=PAIR_NODE, servers_per_node=2)  # one (CPU) node
+    log: list[str] = []
+    driver = Driver(parse_config(raw), say=log.append)
+    result: list[int] = []
+    thread = threading.Thread(target=lambda: result.append(driver.run()))
+    thread.start()
+    try:
+        deadline = time.monotonic() + 400
+        while store_committed(tmp_path / "s.zarr") < 1:
+            assert time.monotonic() < deadline and thread.is_alive(), "no shard was committed"
+            time.sleep(0.2)
+        store = Store.open(tmp_path / "s.zarr")
+        planning_when_captured = not store.planned
+        # The worker that committed it dies: its slot wrote a shard, and the other slot's
+        # worker, started with it, is up before the replacement and takes the next ones.
+        (committed,) = np.flatnonzero(store.committed()).tolist()
+        committer = store.summary(committed)["worker"]
+        victim = next(r for r in driver.workers.values() if r.worker_id == committer)
+        ray.kill(victim.handle, no_restart=True)
+    finally:
+        resume_planning.set()
+        thread.join(600)
+
+    assert result == [0], "\n".join(log)[-6000:]
+    store = Store.open(tmp_path / "s.zarr")
+    assert_exactly_once(store, rows, deepseek_path)
+    # A shard was committed while the plan was incomplete: seen here, and in the timestamps.
+    planning = store.group.attrs["report"]["run"]["planning"]
+    first_commit = min(store.summary(k)["finished_at"] for k in range(len(store.shards)))
+    assert planning_when_captured and first_commit < planning["finished_at"], (planning, log)
+    lost = store.group.attrs["report"]["run"]["workers_lost"]
+    assert [w["worker"] for w in lost] == [victim.worker_id]
+    # Two slots on the head node; the replacement (the third worker) took the victim's.
+    node = victim.worker_id.rsplit("-s", 1)[0]
+    started = sorted(line.removeprefix("started ") for line in log if line.startswith("started"))
+    assert started == sorted([f"{node}-s0-w1", f"{node}-s1-w2", f"{node}-s{victim.slot}-w3"]), (
+        started
+    )
+    writers = {store.summary(k)["worker"] for k in range(len(store.shards))}
+    assert {w.split("-s")[-1].split("-w")[0] for w in writers} == {"0", "1"}, writers
+    assert_store_matches_reference(store, deepseek_path, list(range(len(store.shards))))
+
+
+def test_a_straggling_shard_is_run_again_at_the_tail_and_only_the_first_commit_is_visible(
+    ray_nodes: Cluster, deepseek_path: Path, tmp_path: Path
+) -> None:
+    rows = write_prompts(tmp_path / "prompts.jsonl", 36)
+    raw = job_config(deepseek_path, tmp_path / "prompts.jsonl", tmp_path / "s.zarr", tmp_path)
+    raw["store"]["samples_per_shard"] = 12  # 3 shards, each taking seconds at inflight 1
+    raw["worker"]["inflight"] = 1
+    raw["queue"].update(straggler_factor=1.0, straggler_min_s=2)
+    driver = Driver(parse_config(raw), say=lambda _: None)
+    result: list[int] = []
+    thread = threading.Thread(target=lambda: result.append(driver.run()))
+    thread.start()
+    # Freeze one worker's server in the middle of a shard: its worker keeps renewing the
+    # lease, so only the tail re-issue can get that shard done.
+    deadline, frozen = time.monotonic() + 400, None
+    while frozen is None:
+        assert time.monotonic() < deadline and thread.is_alive(), "no worker got a shard"
+        for running in list(driver.workers.values()):
+            status = ray.get(running.handle.status.remote())
+            if status["shard"] is not None and 1 <= status["written"] <= 6:
+                frozen = (running, status["shard"], ray.get(running.handle.server_pid.remote()))
+                os.killpg(frozen[2], signal.SIGSTOP)
+                break
+        time.sleep(0.05)
+    running, shard, server_pid = frozen
+    try:
+        while store_committed(tmp_path / "s.zarr") < 3:
+            assert time.monotonic() < deadline and thread.is_alive(), "the straggler stayed"
+            time.sleep(0.2)
+    finally:
+        os.killpg(server_pid, signal.SIGCONT)
+    thread.join(600)
+
+    assert result == [0]
+    store = Store.open(tmp_path / "s.zarr")
+    assert_exactly_once(store, rows, deepseek_path)
+    summary = store.summary(shard)
+    assert summary["deferred"] and summary["worker"] != running.worker_id
+    assert_store_matches_reference(store, deepseek_path, [shard])
+
+
+def test_a_job_on_s3_resumes_after_the_driver_is_killed_and_reads_verifies_and_exports_there(
+    ray_nodes: Cluster, deepseek_path: Path, tmp_path: Path, s3: S3Server
+) -> None:
+    rows = write_prompts(tmp_path / "prompts.jsonl", 15)
+    url = s3.url(f"{tmp_path.name}/s.zarr")
+    raw = job_config(deepseek_path, tmp_path / "prompts.jsonl", url, tmp_path)
+    raw["store"]["storage_options"] = s3.options
+    raw["queue"]["lease_s"] = 300  # beyond the margin object storage needs (its write bound)
+    (tmp_path / "job.yaml").write_text(yaml.safe_dump(raw))
+    first = start_driver(tmp_path / "job.yaml", ray_nodes.address, tmp_path / "driver.log")
+    before = kill_after_commits(first, url, 1, storage_options=s3.options)
+    assert 1 <= len(before) < 5
+    log = [(tmp_path / "driver.log").read_text()]
+
+    assert run_job(parse_config(raw), say=log.append) == 0
+
+    assert not list(tmp_path.rglob("zarr.json")), "nothing of the store is on local disk"
+    store = Store.open(url, storage_options=s3.options)
+    assert_exactly_once(store, rows, deepseek_path)
+    assert {k: store.summary(k) for k in before} == before, "committed shards were not redone"
+    assert store.group.attrs["report"]["run"]["resumed"]
+    assert_store_matches_reference(store, deepseek_path, [0, len(store.shards) - 1])
+    report = verify(
+        url,
+        model_path=str(deepseek_path),
+        recompute=2,
+        dump_root=str(tmp_path),
+        storage_options=s3.options,
+        say=log.append,
+    )
+    assert report.ok, report.format()
+    assert [r["ok"] for r in report.checked["recomputed"]] == [True, True]
+    reader = HiddenStatesDataset(url, storage_options=s3.options)
+    for fmt in FORMATS:
+        result = export(url, tmp_path / fmt, fmt, storage_options=s3.options, say=log.append)
+        assert result["files"] == len(reader) == len(rows)
+    assert s3.secret_access_key not in "\n".join(log) + report.format()
+
+
+def set_immutable(path: Path, on: bool) -> None:
+    """`chattr -R +i`: unwritable even by root, unlike a chmod (the tests may run as root)."""
+    subprocess.run(["chattr", "-R", "+i" if on else "-i", str(path)], check=True)
+
+
+def test_a_store_made_read_only_mid_job_fails_its_shards_cleanly_and_the_job_says_so(
+    ray_nodes: Cluster, deepseek_path: Path, tmp_path: Path
+) -> None:
+    probe = tmp_path / "probe"
+    probe.mkdir()
+    try:
+        set_immutable(probe, True)
+    except (OSError, subprocess.CalledProcessError) as exc:
+        pytest.skip(f"chattr +i is not available here: {exc}")
+    set_immutable(probe, False)
+    rows = write_prompts(tmp_path / "prompts.jsonl", 12)
+    url = tmp_path / "s.zarr"
+    raw = job_config(deepseek_path, tmp_path / "prompts.jsonl", url, tmp_path)
+    raw["worker"]["max_node_failures"] = 1  # one failed worker per node, then the job stops
+    log: list[str] = []
+    driver = Driver(parse_config(raw), say=log.append)
+    result: list[int] = []
+    thread = threading.Thread(target=lambda: result.append(driver.run()))
+    thread.start()
+    deadline = time.monotonic() + 400
+    while store_committed(url) < 1:
+        assert time.monotonic() < deadline and thread.is_alive(), "no shard was committed"
+        time.sleep(0.2)
+    set_immutable(url, True)
+    try:
+        thread.join(600)
+        assert result == [1]
+        text = "\n".join(log)
+        assert "Operation not permitted" in text and str(url) in text, text[-3000:]
+        assert "hidden-state extraction report" in text
+        assert f"could not keep the report in the store: {url}: PermissionError" in text
+        # Nothing half-committed: every committed shard is whole and right, the rest are
+        # named as not committed, and no other check fails.
+        store = Store.open(url)
+        committed = np.flatnonzero(store.committed()).tolist()
+        assert 1 <= len(committed) < len(store.shards)
+        report = verify(url)
+        assert {f.check for f in report.findings if f.level == "error"} == {"commits"}
+        assert_store_matches_reference(store, deepseek_path, committed)
+    finally:
+        set_immutable(url, False)
+
+    # Writable again: the same job resumes and finishes, every sample exactly once.
+    assert run_job(parse_config(raw), say=lambda _: None) == 0
+    assert_exactly_once(Store.open(url), rows, deepseek_path)
+
+
+@ray.remote(num_cpus=0)
+class JustCommitted:
+    """A worker whose shard commits between the driver's two reads: asked for its state, it
+    completes its shard at the queue first, then reports itself idle."""
+
+    def __init__(self, queue: Any) -> None:
+        self.queue = queue
+
+    def status(self) -> dict[str, Any]:
+        lease = ray.get(self.queue.acquire.remote("w"))
+        ray.get(self.queue.claim.remote(lease.lease_id))
+        summary = {"samples": 3, "tokens": 30, "bytes_written": 0, "failed": {}}
+        assert ray.get(self.queue.complete.remote(lease.lease_id, summary))
+        return {"worker": "w", "phase": "idle", "shard": None, "written": 0}
+
+
+def test_the_progress_line_counts_a_shard_committed_between_its_reads(
+    ray_nodes: Cluster, deepseek_path: Path, tmp_path: Path
+) -> None:
+    raw = job_config(deepseek_path, tmp_path / "prompts.jsonl", tmp_path / "s.zarr", tmp_path)
+    driver = Driver(parse_config(raw))
+    queue = ShardQueueActor.remote([0, 1])
+    worker = JustCommitted.remote(queue)
+    driver.workers[ray.put(None)] = _Running("node", "w", worker)
+    meter = ProgressMeter(total_samples=6, total_tokens=60)
+
+    assert "samples 3/6" in driver._progress(meter, queue)[0]

@@ -1,0 +1,60 @@
+"""`make demo`'s path end to end: a local Ray head, `ray job submit` of the demo job config,
+the store it leaves and the head stopped afterwards."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+import pytest
+import requests
+
+from hsx_store.format import Store
+from tools.s3_server import S3Server
+
+
+def test_ray_job_submit_runs_the_demo_job_end_to_end(
+    demo: Callable[[list[str]], int], models_dir: Path, tmp_path: Path, capfd: pytest.CaptureFixture
+) -> None:
+    status = demo(["--models", str(models_dir), "--out", str(tmp_path)])
+    out = capfd.readouterr().out
+
+    assert status == 0, out[-5000:]
+    store = Store.open(tmp_path / "demo.zarr")
+    assert store.committed().all()
+    assert (np.asarray(store.group["sample_status"][:]) == 1).all()
+    report = store.group.attrs["report"]
+    assert report["ok"] and report["samples"]["written"] == store.num_samples == 23
+    assert store.rejected == [{"sample_id": "bad-empty", "reason": "empty text"}]
+    # The job's own log came back through `ray job submit`: plan, progress, report.
+    for line in ("storage estimate", "ETA", "hidden-state extraction report", "succeeded"):
+        assert line in out, line
+    # The head it started is gone.
+    address = next(w for w in out.split() if w.startswith("http://127.0.0.1:"))
+    with pytest.raises(requests.ConnectionError):
+        requests.get(f"{address}/api/jobs/", timeout=5)
+
+
+def test_the_demo_job_on_s3_reaches_its_store_through_the_environment_alone(
+    demo: Callable[[list[str]], int],
+    models_dir: Path,
+    tmp_path: Path,
+    s3: S3Server,
+    capfd: pytest.CaptureFixture,
+) -> None:
+    """As on a cluster without a shared filesystem: the endpoint and credentials are in the
+    environment the Ray head starts with (so its workers and the job have them), not in the
+    job's config."""
+    url = s3.url(f"{tmp_path.name}/demo.zarr")
+    with pytest.MonkeyPatch.context() as env:
+        for name, value in s3.environment.items():
+            env.setenv(name, value)
+        status = demo(["--models", str(models_dir), "--out", str(tmp_path), "--store", url])
+    out = capfd.readouterr().out
+
+    assert status == 0, out[-5000:]
+    store = Store.open(url, storage_options=s3.options)
+    assert store.committed().all() and store.group.attrs["report"]["ok"]
+    assert not list(tmp_path.rglob("zarr.json")), "nothing of the store is on local disk"
+    assert s3.secret_access_key not in out

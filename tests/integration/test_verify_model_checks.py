@@ -1,0 +1,262 @@
+"""verify's model checks on real servers: the recompute (float32 and bf16 with batch noise) and
+the logprob check pass real captures and name samples whose rows are wrong."""
+
+from __future__ import annotations
+
+import functools
+import json
+import re
+import shutil
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import ml_dtypes
+import numpy as np
+import torch
+from ray.cluster_utils import Cluster
+from transformers import AutoTokenizer
+
+from actors.capture_client import generate_and_capture, wait_for_dump
+from actors.shard_writer import ShardWriter
+from cluster.config import parse_config
+from cluster.driver import run_job
+from cluster.verify import verify as verify_command
+from cluster.verify.logprobs import (
+    check_logprobs,
+)
+from cluster.verify.model_check import checked_samples
+from cluster.verify.server import VerifyServer
+from hsx_store.format import Store, create_store, make_manifest
+from hsx_store.integrity import CHECKS, VerifyReport, verify_store
+from hsx_store.layers import expected_capture
+from patches.dump_files import read_dump, release_dump
+from tests.helpers.jobs import FinishedJob
+from tests.helpers.ray_cluster import SOLO_NODE
+from tests.helpers.reports import check_lines, errors, verify
+
+WORDS = "a draft model learns what the target model would say next at every token".split()
+
+
+def run_real_job(
+    model: Path,
+    tmp_path: Path,
+    *,
+    dtype: str = "float32",
+    layer_ids: tuple[int, ...] = (0, 1, 3),
+    server_args: tuple[str, ...] = (),
+) -> Path:
+    data = tmp_path / "prompts.jsonl"
+    lines = [
+        {"id": f"t{i}", "text": " ".join(WORDS[(i * 5 + k) % len(WORDS)] for k in range(3 + i * 4))}
+        for i in range(8)
+    ]
+    data.write_text("".join(json.dumps(r) + "\n" for r in lines))
+    config = {
+        "model": {"path": str(model), "dtype": dtype, "aux_layer_ids": list(layer_ids)},
+        "data": {"paths": [str(data)], "max_length": 256},
+        "store": {"url": str(tmp_path / "s.zarr"), "samples_per_shard": 4, "chunk_tokens": 64},
+        "server": {
+            "max_total_tokens": 8192,
+            "start_timeout_s": 300,
+            "extra_args": list(server_args),
+        },
+        "worker": {
+            "node_resource": SOLO_NODE,
+            "inflight": 4,
+            "heartbeat_s": 0.5,
+            "dump_root": str(tmp_path),
+            "log_root": str(tmp_path),  # a killed worker keeps its server log: here
+        },
+        "queue": {"lease_s": 30, "straggler_min_s": 600},
+        "driver": {"progress_interval_s": 1},
+    }
+    assert run_job(parse_config(config), say=lambda _: None) == 0
+    return tmp_path / "s.zarr"
+
+
+def failing_samples(report: VerifyReport) -> set[int]:
+    return {int(m.split()[1]) for m in errors(report, "recompute")}
+
+
+def test_recompute_passes_on_a_real_float32_job(
+    deepseek_job: FinishedJob, deepseek_path: Path, tmp_path: Path
+) -> None:
+    url = Path(shutil.copytree(deepseek_job.url, tmp_path / "s.zarr"))  # changed below
+    kw = dict(model_path=str(deepseek_path), recompute=3, logprobs=3, dump_root=str(tmp_path))
+    said: list[str] = []
+    report = verify_command(url, server_args=["--dtype", "float32"], say=said.append, **kw)
+    assert report.ok, report.format()
+    assert check_lines(report) == dict.fromkeys(CHECKS, "OK")
+    assert [r["ok"] for r in report.checked["recomputed"]] == [True] * 3
+    assert [r["ok"] for r in report.checked["logprobs"]] == [True] * 3
+    assert sum("starting SGLang" in line for line in said) == 1, "one server for both checks"
+
+    # Plausible values, but not what the model computes: final rows scaled by 1.5.
+    store = Store.open(url, mode="r+")
+    victim = checked_samples(store, 3, seed=0)[1]
+    label = f"{victim} ({store.group['sample_id'][victim]})"
+    rows = store.sample_rows(victim)
+    final = store.group["final_hidden_states"]
+    final[rows] = np.asarray(final[rows]) * 1.5
+    report = verify(url, **kw)  # --dtype now from the store's manifest
+
+    name = f"sample {label}: final_hidden_states"
+    messages = errors(report, "recompute")
+    assert messages and all(m.startswith(name) for m in messages), messages
+    assert any(
+        re.match(rf"{re.escape(name)} differs from a fresh recompute by 50\.0", m) for m in messages
+    )
+    assert [r["ok"] for r in report.checked["recomputed"]].count(False) == 1
+    logprobs = f"sample {label}: stored final states do not give the server's"
+    assert [m.split(" logprobs:")[0] for m in errors(report, "logprobs")] == [logprobs]
+    assert not list(tmp_path.glob("hsx-verify-*")), "the verifier leaves no dumps behind"
+
+
+# Llama in bf16 on CPU is batch-invariant (alone and batched recomputes bit-identical) until
+# chunked prefill splits prompts: a batch then moves each prompt's chunk boundaries, and bf16
+# rows differ by ~1% (the job's batches of 4 as well as the verifier's).
+CHUNKED_PREFILL = ("--chunked-prefill-size", "16")
+
+
+def swap_rows(store: Store, a: int, b: int) -> None:
+    """Samples a's and b's rows exchanged in every hidden array (as many as the shorter has)."""
+    n = int(min(store.sample_length[a], store.sample_length[b]))
+    at_a, at_b = (slice(int(store.sample_start[i]), int(store.sample_start[i]) + n) for i in (a, b))
+    for name in store.manifest.hidden_arrays:
+        array = store.group[name]
+        rows_a, rows_b = np.asarray(array[at_a]), np.asarray(array[at_b])
+        array[at_a], array[at_b] = rows_b, rows_a
+
+
+def shift_rows(store: Store, i: int) -> None:
+    """Sample i's rows one token off in every hidden array: row t holds token t + 1's state
+    (the last one the next sample's first)."""
+    rows = store.sample_rows(i)
+    for name in store.manifest.hidden_arrays:
+        array = store.group[name]
+        array[rows] = np.asarray(array[rows.start + 1 : rows.stop + 1])
+
+
+def test_recompute_calibrates_to_bf16_batch_noise_and_names_wrong_samples(
+    ray_nodes: Cluster, llama_path: Path, tmp_path: Path
+) -> None:
+    url = run_real_job(
+        llama_path, tmp_path, dtype="bfloat16", layer_ids=(2, 4, 5), server_args=CHUNKED_PREFILL
+    )
+    kw = dict(
+        model_path=str(llama_path),
+        recompute=8,
+        dump_root=str(tmp_path),
+        server_args=list(CHUNKED_PREFILL),
+    )
+    report = verify(url, **kw)
+    assert report.ok, report.format()
+    results = report.checked["recomputed"]
+    assert len(results) == 8 and all(r["ok"] for r in results)
+    figures = [f for r in results for f in r["arrays"].values()]
+    # The batched recompute really differed from the lone one: the noise is measured, not assumed.
+    assert max(f["noise"] for f in figures) > 1e-3
+    # The job's rows differ from both recomputes (its batches were others), within the bound.
+    assert max(f["distance"] for f in figures) > 1e-3
+    assert min(f["other_distance"] for f in figures) > 0.3
+
+    store = Store.open(url, mode="r+")
+    a, b, shifted, scaled = 1, 6, 2, 5  # 2's next row is 3's first (3 ends a shard)
+    swap_rows(store, a, b)
+    shift_rows(store, shifted)
+    final, rows = store.group["final_hidden_states"], store.sample_rows(scaled)
+    scaled_rows = np.asarray(final[rows]).view(ml_dtypes.bfloat16).astype(np.float32) * 1.5
+    final[rows] = scaled_rows.astype(ml_dtypes.bfloat16).view(np.uint16)
+    report = verify(url, **kw)
+
+    assert failing_samples(report) == {a, b, shifted, scaled}, report.format()
+    messages = errors(report, "recompute")
+    for i in (a, b, shifted):
+        for name in store.manifest.hidden_arrays:
+            assert any(m.startswith(f"sample {i} (t{i}): {name} differs") for m in messages)
+    [scaled_error] = [
+        m
+        for m in messages
+        if m.startswith(f"sample {scaled} (t{scaled}): final_hidden_states differs")
+    ]
+    # 1.5 x the rows is 50% off (bf16 rounding of the product aside), named with noise and bound.
+    assert re.search(
+        r"by (49|50)\.\d+% \(largest per-row relative RMS, token \d+\); alone vs batched "
+        r"recompute \d\.\d+%; bound \d\.\d+% = 4 x max",
+        scaled_error,
+    ), scaled_error
+    for i, j in ((a, b), (b, a)):  # and each is nearest to the other's recompute
+        for name in store.manifest.hidden_arrays:
+            assert any(
+                m.startswith(f"sample {i} (t{i}): {name} tokens 0..")
+                and f"from sample {j} (t{j})'s recompute" in m
+                for m in messages
+            ), messages
+    assert not list(tmp_path.glob("hsx-verify-*")), "the verifier leaves no dumps behind"
+
+
+LAYERS = [0, 1, 2]  # as asked of SGLang
+
+SAMPLES = 8
+
+
+def captured_store(model: Path, url: Path, dtype: str, server: VerifyServer) -> Store:
+    """A store of SAMPLES prompts whose rows `server` captured, all requests at once (batched
+    as a job's are), written and committed as a worker does."""
+    tokenizer = AutoTokenizer.from_pretrained(model)
+    texts = [" ".join(WORDS[(i * 5 + k) % len(WORDS)] for k in range(2 + i * 6)) for i in range(8)]
+    ids = [np.array(tokenizer(t)["input_ids"], np.int32) for t in texts]
+    capture = expected_capture(model, LAYERS, dtype)
+    manifest = make_manifest(str(model), model, capture, max_length=256, samples_per_shard=4)
+    names = [f"p{i}" for i in range(SAMPLES)]
+    store = create_store(url, manifest, names, ids, [np.ones(len(x), np.uint8) for x in ids])
+    running, _ = server.get(store)
+
+    def capture_one(i: int) -> tuple[torch.Tensor, ...]:
+        response = generate_and_capture(running, f"hsx-test-{i}", input_ids=ids[i].tolist())
+        tensors, _ = read_dump(wait_for_dump(response.dump_path))
+        rows = tuple(tensors[name].clone() for name in manifest.hidden_arrays)
+        release_dump(response.dump_path)
+        return rows
+
+    with ThreadPoolExecutor(SAMPLES) as pool:
+        rows = list(pool.map(capture_one, range(SAMPLES)))
+    for shard in store.shards:
+        writer = ShardWriter(store, shard)
+        for i in range(shard.sample_begin, shard.sample_end):
+            writer.write_sample(i, *rows[i])
+        writer.commit({"worker": "test"})
+    return store
+
+
+def check(url: Path, server: VerifyServer) -> VerifyReport:
+    say = functools.partial(print, flush=True)
+    logprobs = functools.partial(check_logprobs, server=server, count=SAMPLES, seed=0, say=say)
+    report = verify_store(url, logprobs=logprobs, say=say)
+    print(report.format())
+    return report
+
+
+def test_logprobs_pass_a_captured_store_and_name_rows_swapped_or_shifted(
+    llama_path: Path, tmp_path: Path, verify_server: Callable[..., VerifyServer]
+) -> None:
+    """bf16, the dtype with batch noise; float32 (deepseek-v3-tiny) is checked, with the
+    recompute on the same server, in test_recompute_passes_on_a_real_float32_job."""
+    path, dtype = llama_path, "bfloat16"
+    url = tmp_path / "s.zarr"
+    server = verify_server(path, ["--dtype", dtype])
+    store = captured_store(path, url, dtype, server)
+    report = check(url, server)
+    assert report.ok and report.checks["logprobs"] == "ran", report.format()
+    assert [r["ok"] for r in report.checked["logprobs"]] == [True] * SAMPLES
+
+    # Sample 3's final rows replaced by sample 7's first ones; sample 5's shifted by a token.
+    final = store.group["final_hidden_states"]
+    r3, r5, r7 = (store.sample_rows(i) for i in (3, 5, 7))
+    final[r3] = np.asarray(final[r7])[: r3.stop - r3.start]
+    final[r5] = np.roll(np.asarray(final[r5]), 1, axis=0)
+    report = check(url, server)
+    failed = [m.split(": stored final")[0] for m in (f.message for f in report.findings)]
+    assert failed == ["sample 3 (p3)", "sample 5 (p5)"], report.format()
+    assert [r["sample"] for r in report.checked["logprobs"] if not r["ok"]] == [3, 5]

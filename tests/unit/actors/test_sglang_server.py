@@ -1,0 +1,90 @@
+"""The server launcher without a server: SGLang reads back the keys it is given, CPU ranks get
+their share of the CPUs, and die_with_parent takes a command down with its starter."""
+
+from __future__ import annotations
+
+import argparse
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from sglang.srt.server_args import ServerArgs
+from sglang.srt.utils.server_args_config_parser import ConfigArgumentMerger
+
+from actors.sglang_server import ServerSpec, SGLangServer, build_command, build_env, cpu_bind_groups
+from patches.settings import CaptureSettings
+from tests.helpers.processes import kill_and_wait
+
+
+def test_sglang_reads_back_every_key_the_launcher_gives_it(tmp_path: Path) -> None:
+    """Through SGLang's own config merging and parser: a key argparse took for an option (a
+    url-safe token starting with '-') failed one server start in ~30."""
+    parser = argparse.ArgumentParser()
+    ServerArgs.add_cli_args(parser)
+    spec = ServerSpec(model_path=tmp_path, capture=CaptureSettings.from_env({}), device="cpu")
+    for _ in range(300):
+        server = SGLangServer(spec, tmp_path / "server.log")
+        keys_file = server._write_keys()
+        argv = build_command(spec, server.port, keys_file)[3:]  # after `python -m module`
+        parsed = parser.parse_args(ConfigArgumentMerger(parser).merge_config_with_args(argv))
+        assert (parsed.api_key, parsed.admin_api_key) == (server._api_key, server._admin_api_key)
+        keys_file.unlink()
+
+
+LAUNCHER = """
+import os, subprocess, sys, time
+child = subprocess.Popen(
+    [sys.executable, "-m", "actors.die_with_parent", str(os.getpid()), "--", "sleep", "600"],
+    start_new_session=True,
+)
+print(child.pid, flush=True)
+time.sleep(600)
+"""
+
+
+def running(pid: int) -> bool:
+    """Alive and not a zombie (an orphan's zombie may wait for a reaper that never comes)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+def test_die_with_parent_takes_the_command_down_with_its_starter() -> None:
+    starter = subprocess.Popen([sys.executable, "-c", LAUNCHER], stdout=subprocess.PIPE, text=True)
+    try:
+        pid = int(starter.stdout.readline())
+        deadline = time.monotonic() + 30
+        while b"sleep" not in Path(f"/proc/{pid}/cmdline").read_bytes():  # exec'd by now
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        kill_and_wait(starter, lambda: running(pid), 10, "the command")
+    finally:
+        starter.kill()
+
+
+def test_die_with_parent_refuses_to_start_for_a_parent_already_gone() -> None:
+    launched = subprocess.run(
+        [sys.executable, "-m", "actors.die_with_parent", "1", "--", "sleep", "600"],
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
+    assert launched.returncode != 0 and "parent 1 is gone" in launched.stderr
+
+
+def test_a_cpu_server_with_several_ranks_binds_each_to_its_share_of_the_cpus(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    assert cpu_bind_groups([0, 1], 2) == "0|1"
+    assert cpu_bind_groups(list(range(8)), 2) == "0-3|4-7"
+    assert cpu_bind_groups([0, 2, 4, 6], 2) == "0,2|4,6"
+    assert cpu_bind_groups([0, 1], 3) == "0|0|1"  # more ranks than CPUs: they share
+    monkeypatch.delenv("SGLANG_CPU_OMP_THREADS_BIND", raising=False)
+    capture = CaptureSettings(None, "hsx-", 1 << 20, mla_cpu_fix=True)
+    two = ServerSpec(model_path=Path("m"), capture=capture, dp_size=2, device="cpu")
+    assert build_env(two)["SGLANG_CPU_OMP_THREADS_BIND"].count("|") == 1
+    one = ServerSpec(model_path=Path("m"), capture=capture, device="cpu")
+    assert "SGLANG_CPU_OMP_THREADS_BIND" not in build_env(one)  # SGLang's own NUMA binding

@@ -1,0 +1,128 @@
+"""The job config: every field validated, errors naming the field, before anything starts."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from actors.config import MAX_AUX_LAYERS, WorkerJobConfig
+from cluster.__main__ import main as cli_main
+from cluster.config import ConfigError, parse_config
+from cluster.job_store import manifest_for
+
+
+def job(model: Path, tmp_path: Path, aux_layer_ids: list[int] | None) -> dict:
+    (tmp_path / "prompts.jsonl").write_text('{"text": "hello"}\n')
+    return {
+        "model": {"path": str(model), "aux_layer_ids": aux_layer_ids},
+        "data": {"paths": [str(tmp_path / "prompts.jsonl")]},
+        "store": {"url": str(tmp_path / "s.zarr")},
+    }
+
+
+@pytest.mark.parametrize("ids", [[4], [0, 2, 3, 5, 6], list(range(MAX_AUX_LAYERS))])
+def test_config_takes_1_to_8_distinct_layer_ids(tmp_path: Path, ids: list[int]) -> None:
+    assert parse_config(job(tmp_path, tmp_path, ids)).model.aux_layer_ids == ids
+
+
+@pytest.mark.parametrize(
+    "ids,reason",
+    [
+        ([], r"must name 1 to 8 layers, got 0"),
+        (list(range(9)), r"must name 1 to 8 layers, got 9"),
+        ([3, 1, 5, 1, 3], r"distinct, \[1, 3\] repeated"),
+        ([2, -1, 4], r"non-negative"),
+    ],
+)
+def test_config_refuses_bad_layer_ids_naming_the_field(
+    tmp_path: Path, ids: list[int], reason: str
+) -> None:
+    with pytest.raises(ConfigError, match=rf"model\.aux_layer_ids: Value error, .*{reason}"):
+        parse_config(job(tmp_path, tmp_path, ids))
+
+
+def test_ids_the_model_lacks_are_a_config_error_before_anything_starts(
+    llama_path: Path, deepseek_path: Path, tmp_path: Path, capsys: pytest.CaptureFixture
+) -> None:
+    """SGLang 0.5.23 checks only id < num_hidden_layers: Llama's id L-1 (index L, after the
+    last layer) would pass its startup check and crash the first forward."""
+    ok = {
+        (llama_path, (0, 2, 3, 5, 6)): [1, 3, 4, 6, 7],  # Llama adds 1: 0..L-2 -> 1..L-1
+        (deepseek_path, (3, 0, 2, 1)): [0, 1, 2, 3],  # as given: 0..L-1, in any order
+    }
+    for (model, ids), layers in ok.items():
+        assert manifest_for(parse_config(job(model, tmp_path, list(ids))), None).layer_ids == layers
+    bad = {
+        (llama_path, (0, 2, 3, 5, 7)): r"\[1, 3, 4, 6, 8\] \(Llama-style: each \+ 1, so ask "
+        r"for 0\.\.6\); \[8\] cannot be captured from this 8-layer model",
+        (deepseek_path, (0, 2, 4)): r"\[4\] cannot be captured from this 4-layer model",
+        (deepseek_path, (1, 2, 3)): r"indices \[2, 3, 4\] \(DeepSeek-style: as given, each \+ 1 "
+        r"if the first is 1\); \[4\]",
+    }
+    for (model, ids), message in bad.items():
+        with pytest.raises(ConfigError, match=rf"model\.aux_layer_ids: .*{message}"):
+            manifest_for(parse_config(job(model, tmp_path, list(ids))), None)
+
+    # The command line: exit 2 with the field named, before a store (or Ray) is made.
+    given = job(llama_path, tmp_path, None)
+    args = ["run", "--model", str(llama_path), "--data", given["data"]["paths"][0]]
+    args += ["--store", given["store"]["url"], "--set", "model.aux_layer_ids=[0,2,3,5,7]"]
+    assert cli_main(args) == 2
+    err = capsys.readouterr().err
+    assert "error: invalid job config:\n  model.aux_layer_ids: aux layer ids [0, 2, 3, 5, 7]" in err
+    assert not (tmp_path / "s.zarr").exists()
+
+
+def test_placement_flags_belong_in_their_fields_not_in_extra_args() -> None:
+    raw = {"model": {"path": "m"}, "data": {"paths": ["d"]}, "store": {"url": "s"}}
+    for flag, field in (("--tp-size", "tp_size"), ("--dp-size=2", "dp_size")):
+        with pytest.raises(ConfigError, match=rf"server\.extra_args: .*set server\.{field}"):
+            parse_config({**raw, "server": {"extra_args": [flag, "2"]}})
+    with pytest.raises(ConfigError, match=r"worker\.servers_per_node"):
+        parse_config({**raw, "worker": {"servers_per_node": 0}})
+    config = parse_config({**raw, "server": {"dp_size": 2, "extra_args": ["--attn-dp-size", "2"]}})
+    assert config.server.dp_size == 2
+
+
+def test_the_job_config_takes_fp8_from_a_bf16_model_only(llama_path: Path) -> None:
+    from cluster.config import ConfigError, parse_config
+    from cluster.job_store import manifest_for, storage_estimate
+
+    raw = {"model": {"path": str(llama_path)}, "data": {"paths": ["x.jsonl"]}}
+    config = parse_config({**raw, "store": {"url": "s.zarr", "dtype": "fp8_e4m3"}})
+    manifest = manifest_for(config, None)
+    assert manifest.dtype == "fp8_e4m3" and manifest.served_dtype == "bfloat16"
+    h, n = manifest.hidden_size, manifest.num_aux
+    assert storage_estimate(manifest, 10) == {
+        "aux_hidden_states": 10 * n * (h + 4),
+        "final_hidden_states": 10 * (h + 4),
+        "prenorm_hidden_states": 10 * (h + 4),
+        "input_ids_and_loss_mask": 50,
+    }
+    with pytest.raises(ConfigError, match="fp8_e4m3 quantizes a bfloat16 capture"):
+        parse_config(
+            {
+                "model": {"path": str(llama_path), "dtype": "float32"},
+                "data": {"paths": ["x.jsonl"]},
+                "store": {"url": "s.zarr", "dtype": "fp8_e4m3"},
+            }
+        )
+
+
+def test_a_worker_is_handed_the_job_config_itself(tmp_path: Path) -> None:
+    """One description of a worker: the driver passes JobConfig, a WorkerJobConfig, as it is."""
+    raw = job(tmp_path, tmp_path, None)
+    raw["model"].update(dtype="float32", trust_remote_code=True)
+    raw["server"] = {"extra_args": ["--chunked-prefill-size", "16"], "start_timeout_s": 60}
+    config = parse_config(raw)
+    assert isinstance(config, WorkerJobConfig)
+    assert config.server_args() == [
+        *("--dtype", "float32", "--trust-remote-code"),
+        *("--chunked-prefill-size", "16"),
+    ]
+    sections = config.model_dump(include={"model", "store", "server", "worker"})
+    assert WorkerJobConfig.model_validate(sections) == WorkerJobConfig(
+        model=config.model, store=config.store, server=config.server, worker=config.worker
+    )
+    assert config.server.start_timeout_s == 60 and config.worker.idle_poll_s == 1.0
