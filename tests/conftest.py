@@ -20,7 +20,7 @@ from ray.cluster_utils import Cluster
 
 from actors.sglang_server import ServerSpec, SGLangServer
 from cluster.verify.server import VerifyServer
-from tests.helpers.ray_cluster import simulated_cluster, wait_until_free
+from tests.helpers.ray_cluster import SimulatedCluster
 from tests.helpers.servers import ServerPool, StartServer
 from tools import s3_server as s3_module
 from tools.s3_server import S3Server
@@ -151,18 +151,20 @@ def verify_server(tmp_path: Path) -> Iterator[Callable[..., VerifyServer]]:
 
 
 @pytest.fixture(scope="session")
-def ray_cluster() -> Iterator[Cluster]:
-    """The session's Ray cluster (tests/helpers/ray_cluster.py); take `ray_nodes` in a test."""
-    with simulated_cluster() as cluster:
+def ray_cluster() -> Iterator[SimulatedCluster]:
+    """The session's Ray cluster (tests/helpers/ray_cluster.py); a test takes `ray_nodes`."""
+    cluster = SimulatedCluster()
+    try:
         yield cluster
+    finally:
+        cluster.close()
 
 
 @pytest.fixture
-def ray_nodes(ray_cluster: Cluster) -> Iterator[Cluster]:
+def ray_nodes(ray_cluster: SimulatedCluster) -> Iterator[Cluster]:
     """The session's Ray cluster, every node resource free before and after the test."""
-    wait_until_free()
-    yield ray_cluster
-    wait_until_free()
+    yield ray_cluster.acquire()
+    ray_cluster.release()
 
 
 @pytest.fixture(scope="session")

@@ -7,14 +7,13 @@ each with one CPU, advertising the resources jobs and workers in tests are place
   a server on each), one of them also SOLO_NODE (a job or worker of one server).
 
 A test gets the cluster with every one of those resources free, and must leave it so: a worker
-it started and did not stop would hold its node from the next test.
+it started and did not stop (one whose run failed, too) would hold its node from the next test.
 """
 
 from __future__ import annotations
 
+import contextlib
 import time
-from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
 
 import ray
@@ -28,13 +27,45 @@ SOLO_NODE = "solo_node"
 NODE_RESOURCES = {PAIR_NODE: 1.0, "sglang_node": 2.0, SOLO_NODE: 1.0}
 
 
-@contextmanager
-def simulated_cluster() -> Iterator[Cluster]:
-    # Cluster writes the head's address to Ray's default temp dir whatever temp_dir says
-    # (ray._common.utils.get_ray_address_file), and fails where that directory was never made:
-    # on a machine that never ran Ray, /tmp/ray.
-    Path(get_ray_address_file(None)).parent.mkdir(parents=True, exist_ok=True)
-    with private_temp_dir() as temp_dir:
+class SimulatedCluster:
+    """The session's cluster, started at its first use. A test that leaves a node resource held
+    fails, and the cluster is started anew for the next one: one leak fails one test."""
+
+    def __init__(self) -> None:
+        self.cluster: Cluster | None = None
+        self._temp_dir: contextlib.ExitStack | None = None
+
+    def acquire(self) -> Cluster:
+        """The running cluster, every node resource free."""
+        if self.cluster is None:
+            self._start()
+        assert self.cluster is not None
+        return self.cluster
+
+    def release(self, timeout: float = 60.0) -> None:
+        """After a test: its workers gone, every node resource free again, or a new cluster."""
+        try:
+            wait_until_free(timeout)
+        except AssertionError:
+            self.close()
+            raise
+
+    def close(self) -> None:
+        if self.cluster is None:
+            return
+        ray.shutdown()
+        self.cluster.shutdown()
+        self.cluster = None
+        assert self._temp_dir is not None
+        self._temp_dir.close()
+
+    def _start(self) -> None:
+        # Cluster writes the head's address to Ray's default temp dir whatever temp_dir says
+        # (ray._common.utils.get_ray_address_file), and fails where that directory was never
+        # made: on a machine that never ran Ray, /tmp/ray.
+        Path(get_ray_address_file(None)).parent.mkdir(parents=True, exist_ok=True)
+        self._temp_dir = contextlib.ExitStack()
+        temp_dir = self._temp_dir.enter_context(private_temp_dir())
         cluster = Cluster()
         try:  # a node that fails to start must not leave the others running (ports held)
             cluster.add_node(num_cpus=1, temp_dir=temp_dir, resources={PAIR_NODE: 1})
@@ -43,10 +74,11 @@ def simulated_cluster() -> Iterator[Cluster]:
             )
             cluster.add_node(num_cpus=1, temp_dir=temp_dir, resources={"sglang_node": 1})
             ray.init(address=cluster.address, log_to_driver=False)
-            yield cluster
-        finally:
-            ray.shutdown()
+        except BaseException:
             cluster.shutdown()
+            self._temp_dir.close()
+            raise
+        self.cluster = cluster
 
 
 def wait_until_free(timeout: float = 60.0) -> None:

@@ -163,7 +163,9 @@ def test_calibration_refuses_a_server_whose_layers_differ_from_the_manifest(
     ]
     for layers, dtype, problem in cases:
         capture = expected_capture(deepseek_path, layers, dtype)
-        manifest = make_manifest(str(deepseek_path), deepseek_path, capture, max_length=64)
+        manifest = make_manifest(
+            str(deepseek_path), deepseek_path, capture, max_length=64, samples_per_shard=4
+        )
         if problem is None:
             assert calibrate(served.server, manifest, probe, RID_PREFIX).probe_tokens == len(probe)
             continue
@@ -181,6 +183,7 @@ def test_a_worker_whose_node_has_another_checkpoint_refuses_before_any_work(
     worker = NodeWorker.options(resources={SOLO_NODE: 1}).remote(config, queue)
     with pytest.raises(ModelMismatch, match=f"{tuned}: weights_fingerprint"):
         ray.get(worker.run.remote(), timeout=120)
+    ray.kill(worker)  # a failed worker holds its node until stopped, as the driver does
     status = ray.get(queue.status.remote())
     assert status.pending == 1 and status.completed == 0
     assert not list(tmp_path.glob("hsx-worker-*/server.log")), "no server was started"
@@ -232,6 +235,7 @@ def test_worker_fails_with_the_log_tail_when_the_server_cannot_start(
     worker = NodeWorker.options(resources={SOLO_NODE: 1}).remote(config, queue)
     with pytest.raises(ServerError, match="no-such-flag") as failure:
         ray.get(worker.run.remote(), timeout=300)
+    ray.kill(worker)  # a failed worker holds its node until stopped, as the driver does
     # A failed worker keeps its server's log (private), and says where.
     (log,) = tmp_path.glob("hsx-worker-*/server.log")
     assert "no-such-flag" in log.read_text()

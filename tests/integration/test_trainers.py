@@ -18,7 +18,6 @@ import pytest
 import torch
 import yaml
 import zarr
-from ray.cluster_utils import Cluster
 from safetensors.torch import load_file
 
 from cluster.config import parse_config
@@ -28,7 +27,7 @@ from hsx_store.format import Store
 from hsx_store.reader import HiddenStatesDataset
 from tests.helpers.hf_reference import reference_model
 from tests.helpers.models import indexed_copy
-from tests.helpers.ray_cluster import SOLO_NODE, wait_until_free
+from tests.helpers.ray_cluster import SOLO_NODE, SimulatedCluster
 
 PROBE = Path(__file__).resolve().parents[1] / "helpers" / "trainer_probe.py"
 
@@ -49,7 +48,7 @@ FINAL, PRENORM = "final_hidden_states", "prenorm_hidden_states"
 def job(
     llama_path: Path,
     tmp_path_factory: pytest.TempPathFactory,
-    ray_cluster: Cluster,
+    ray_cluster: SimulatedCluster,
     trainers_python: Path,
 ) -> dict:
     """One real job: 8 chat prompts captured by a patched SGLang server into a local store."""
@@ -78,9 +77,9 @@ def job(
         "queue": {"lease_s": 30, "straggler_min_s": 600},
         "driver": {"progress_interval_s": 1},
     }
-    wait_until_free()
+    ray_cluster.acquire()
     assert run_job(parse_config(config), say=lambda _: None) == 0
-    wait_until_free()
+    ray_cluster.release()
     return {"root": root, "model": model, "url": str(root / "s.zarr"), "python": trainers_python}
 
 
