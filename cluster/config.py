@@ -102,8 +102,8 @@ class DriverConfig(Section):
     """The driver: progress, the job's end, planning."""
 
     progress_interval_s: float = Field(10.0, gt=0)
-    """How often the driver looks at the workers and the queue (and, on a terminal, redraws
-    the progress line)."""
+    """How often the driver looks at the workers and the queue; on a terminal, a progress line
+    each time."""
     log_interval_s: float = Field(30.0, gt=0)
     """Off a terminal (a `ray job submit` log, a file): a progress line this often, plus one on
     every change of state (a worker starts, is up or is lost; planning ends; a commit after a

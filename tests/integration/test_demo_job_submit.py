@@ -30,6 +30,10 @@ def test_ray_job_submit_runs_the_demo_job_end_to_end(
     # The job's own log came back through `ray job submit`: plan, progress, report.
     for line in ("storage estimate", "ETA", "hidden-state extraction report", "succeeded"):
         assert line in out, line
+    # Not a terminal: a progress line every driver.log_interval_s (10 s in the demo config) and
+    # on each change of state, not one per 2 s poll.
+    progress = [line for line in out.splitlines() if "| elapsed " in line]
+    assert 1 <= len(progress) <= report["run"]["seconds"] / 10 + 8, progress
     # The head it started is gone.
     address = next(w for w in out.split() if w.startswith("http://127.0.0.1:"))
     with pytest.raises(requests.ConnectionError):

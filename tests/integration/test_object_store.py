@@ -195,6 +195,22 @@ def test_unusable_locations_are_refused_naming_the_url_and_nothing_is_written(
     assert s3.keys("other") == ["other/notes.txt"]
 
 
+# Runs `python -m cluster` for each argv in argv[1] (a JSON list), in this one process; prints
+# [[exit status, everything printed], ...].
+EACH_COMMAND = """
+import contextlib, io, json, logging, sys
+from cluster.__main__ import main
+results = []
+for argv in json.loads(sys.argv[1]):
+    out = io.StringIO()
+    logging.root.handlers.clear()  # what a command logs goes to its own output
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(out):
+        status = main(argv)
+    results.append([status, out.getvalue()])
+print(json.dumps(results))
+"""
+
+
 def test_every_command_exits_2_on_an_unusable_location_naming_the_url_without_secrets(
     s3: S3Server, deepseek_path: Path, tmp_path: Path
 ) -> None:
@@ -227,23 +243,29 @@ def test_every_command_exits_2_on_an_unusable_location_naming_the_url_without_se
         "export": ["export", "--format", "specforge", "--out", str(tmp_path / "x"), "--store"],
     }
     base_env = {k: v for k, v in os.environ.items() if not k.startswith("AWS_")}
+    # A process per location (its environment), running the three commands one after another.
     running = {
-        (case, command): subprocess.Popen(
-            [sys.executable, "-m", "cluster", *argv, url],
+        case: subprocess.Popen(
+            [
+                sys.executable,
+                "-c",
+                EACH_COMMAND,
+                json.dumps([[*argv, url] for argv in commands.values()]),
+            ],
             env={**base_env, **env},
             stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
             text=True,
         )
         for case, (url, env, _) in cases.items()
-        for command, argv in commands.items()
     }
-    for (case, command), process in running.items():
-        output, _ = process.communicate(timeout=300)
+    for case, process in running.items():
+        out, _ = process.communicate(timeout=300)
         url, env, reason = cases[case]
-        assert process.returncode == 2, (case, command, output)
-        assert f"{url}: " in output and reason in output, (case, command, output)
-        assert env["AWS_SECRET_ACCESS_KEY"] not in output, (case, command)
+        assert process.returncode == 0, (case, out)
+        for command, (status, output) in zip(commands, json.loads(out), strict=True):
+            assert status == 2, (case, command, output)
+            assert f"{url}: " in output and reason in output, (case, command, output)
+            assert env["AWS_SECRET_ACCESS_KEY"] not in output, (case, command)
     assert s3.keys() == before  # nothing written anywhere
 
 

@@ -79,35 +79,35 @@ def failing_samples(report: VerifyReport) -> set[int]:
     return {int(m.split()[1]) for m in errors(report, "recompute")}
 
 
-def test_recompute_passes_on_a_real_float32_job(
+def test_recompute_and_logprobs_pass_a_real_float32_job_and_name_a_wrong_sample(
     deepseek_job: FinishedJob, deepseek_path: Path, tmp_path: Path
 ) -> None:
-    url = Path(shutil.copytree(deepseek_job.url, tmp_path / "s.zarr"))  # changed below
-    kw = dict(model_path=str(deepseek_path), recompute=3, logprobs=3, dump_root=str(tmp_path))
-    said: list[str] = []
-    report = verify_command(url, server_args=["--dtype", "float32"], say=said.append, **kw)
-    assert report.ok, report.format()
-    assert check_lines(report) == dict.fromkeys(CHECKS, "OK")
-    assert [r["ok"] for r in report.checked["recomputed"]] == [True] * 3
-    assert [r["ok"] for r in report.checked["logprobs"]] == [True] * 3
-    assert sum("starting SGLang" in line for line in said) == 1, "one server for both checks"
-
-    # Plausible values, but not what the model computes: final rows scaled by 1.5.
+    url = Path(shutil.copytree(deepseek_job.url, tmp_path / "s.zarr"))
+    # Of the three samples checked, one has plausible final rows that are not what the model
+    # computes (scaled by 1.5): it alone fails, by both checks; the other two pass.
     store = Store.open(url, mode="r+")
-    victim = checked_samples(store, 3, seed=0)[1]
+    checked = checked_samples(store, 3, seed=0)
+    victim = checked[1]
     label = f"{victim} ({store.group['sample_id'][victim]})"
-    rows = store.sample_rows(victim)
-    final = store.group["final_hidden_states"]
+    rows, final = store.sample_rows(victim), store.group["final_hidden_states"]
     final[rows] = np.asarray(final[rows]) * 1.5
-    report = verify(url, **kw)  # --dtype now from the store's manifest
+    said: list[str] = []
+    kw = dict(model_path=str(deepseek_path), recompute=3, logprobs=3, dump_root=str(tmp_path))
+    report = verify_command(url, say=said.append, **kw)  # --dtype from the store's manifest
+    print(report.format())
 
+    expected = dict.fromkeys(CHECKS, "OK") | {"recompute": "FAIL", "logprobs": "FAIL"}
+    assert check_lines(report) == expected
+    assert sum("starting SGLang" in line for line in said) == 1, "one server for both checks"
+    for check, key in (("recompute", "recomputed"), ("logprobs", "logprobs")):
+        results = {r["sample"]: r["ok"] for r in report.checked[key]}
+        assert results == {i: i != victim for i in checked}, (check, results)
     name = f"sample {label}: final_hidden_states"
     messages = errors(report, "recompute")
     assert messages and all(m.startswith(name) for m in messages), messages
     assert any(
         re.match(rf"{re.escape(name)} differs from a fresh recompute by 50\.0", m) for m in messages
     )
-    assert [r["ok"] for r in report.checked["recomputed"]].count(False) == 1
     logprobs = f"sample {label}: stored final states do not give the server's"
     assert [m.split(" logprobs:")[0] for m in errors(report, "logprobs")] == [logprobs]
     assert not list(tmp_path.glob("hsx-verify-*")), "the verifier leaves no dumps behind"
@@ -144,23 +144,7 @@ def test_recompute_calibrates_to_bf16_batch_noise_and_names_wrong_samples(
     url = run_real_job(
         llama_path, tmp_path, dtype="bfloat16", layer_ids=(2, 4, 5), server_args=CHUNKED_PREFILL
     )
-    kw = dict(
-        model_path=str(llama_path),
-        recompute=8,
-        dump_root=str(tmp_path),
-        server_args=list(CHUNKED_PREFILL),
-    )
-    report = verify(url, **kw)
-    assert report.ok, report.format()
-    results = report.checked["recomputed"]
-    assert len(results) == 8 and all(r["ok"] for r in results)
-    figures = [f for r in results for f in r["arrays"].values()]
-    # The batched recompute really differed from the lone one: the noise is measured, not assumed.
-    assert max(f["noise"] for f in figures) > 1e-3
-    # The job's rows differ from both recomputes (its batches were others), within the bound.
-    assert max(f["distance"] for f in figures) > 1e-3
-    assert min(f["other_distance"] for f in figures) > 0.3
-
+    # Four of the eight samples made wrong, each its own way; the other four must pass.
     store = Store.open(url, mode="r+")
     a, b, shifted, scaled = 1, 6, 2, 5  # 2's next row is 3's first (3 ends a shard)
     swap_rows(store, a, b)
@@ -168,8 +152,23 @@ def test_recompute_calibrates_to_bf16_batch_noise_and_names_wrong_samples(
     final, rows = store.group["final_hidden_states"], store.sample_rows(scaled)
     scaled_rows = np.asarray(final[rows]).view(ml_dtypes.bfloat16).astype(np.float32) * 1.5
     final[rows] = scaled_rows.astype(ml_dtypes.bfloat16).view(np.uint16)
-    report = verify(url, **kw)
+    kw = dict(model_path=str(llama_path), recompute=8, dump_root=str(tmp_path))
+    report = verify(url, server_args=list(CHUNKED_PREFILL), **kw)
 
+    results = report.checked["recomputed"]
+    assert len(results) == 8
+    figures = [f for r in results for f in r["arrays"].values()]
+    # The batched recompute really differed from the lone one: the noise is measured, not assumed.
+    assert max(f["noise"] for f in figures) > 1e-3
+    # The job's rows differ from both recomputes (its batches were others), within the bound.
+    clean = [
+        f
+        for r in results
+        if r["sample"] not in (a, b, shifted, scaled)
+        for f in r["arrays"].values()
+    ]
+    assert max(f["distance"] for f in clean) > 1e-3
+    assert min(f["other_distance"] for f in clean) > 0.3
     assert failing_samples(report) == {a, b, shifted, scaled}, report.format()
     messages = errors(report, "recompute")
     for i in (a, b, shifted):
