@@ -16,8 +16,8 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from cluster.verify.logprobs import check_logprobs
-from cluster.verify.recompute import check_recompute
+from cluster.verify.logprobs import LogprobCheck
+from cluster.verify.recompute import RecomputeCheck
 from cluster.verify.server import VerifyServer
 from hsx_store.integrity import VerifyReport, verify_store
 
@@ -50,8 +50,8 @@ def verify(
         checks = dict(server=server, seed=seed, say=say)
         return verify_store(
             url,
-            recompute=functools.partial(check_recompute, count=recompute, **checks),
-            logprobs=functools.partial(check_logprobs, count=logprobs, **checks),
+            recompute=functools.partial(RecomputeCheck.run_check, count=recompute, **checks),
+            logprobs=functools.partial(LogprobCheck.run_check, count=logprobs, **checks),
             storage_options=storage_options,
             say=say,
         )

@@ -14,7 +14,6 @@ Design: docs/design/verify.md.
 from __future__ import annotations
 
 import uuid
-from collections.abc import Callable
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, NamedTuple
@@ -23,9 +22,8 @@ import numpy as np
 import torch
 
 from cluster.verify.model_check import ModelCheck
-from cluster.verify.server import VerifyServer
 from hsx_store.format import Store
-from hsx_store.integrity import VerifyReport, describe_logprobs
+from hsx_store.integrity import describe_logprobs
 from hsx_store.lm_head import load_lm_head, text_config
 
 if TYPE_CHECKING:
@@ -262,16 +260,3 @@ class LogprobCheck(ModelCheck):
         r = replace(r, ok=ok)
         self.say(f"logprobs {describe_logprobs(asdict(r))}")
         return r
-
-
-def check_logprobs(
-    store: Store,
-    report: VerifyReport,
-    *,
-    server: VerifyServer | None,
-    count: int,
-    seed: int,
-    say: Callable[[str], None],
-) -> str | None:
-    """The check, as hsx_store.integrity.verify_store runs it: a skip reason or None."""
-    return LogprobCheck(store, report, server, say).check(count, seed)

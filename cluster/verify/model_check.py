@@ -31,9 +31,9 @@ def checked_samples(store: Store, count: int, seed: int) -> list[int]:
 
 
 class ModelCheck:
-    """One check on the model's server; `check` runs it as hsx_store.integrity runs a check
-    (returning a skip reason or None). Subclasses say what else refuses or skips it and do the
-    work in `run_on`."""
+    """One check on the model's server. `check` does what every model check does first (which
+    samples, is it the store's model) and reports a failure to run at all; subclasses say what
+    else skips or refuses it, and do the work in `run_on`."""
 
     name: ClassVar[str]  # the check's name in the report, and its flag (--recompute)
     cannot: ClassVar[str]  # how "it could not run at all" reads: "cannot recompute"
@@ -46,6 +46,21 @@ class ModelCheck:
         say: Callable[[str], None],
     ) -> None:
         self.store, self.report, self.server, self.say = store, report, server, say
+
+    @classmethod
+    def run_check(
+        cls,
+        store: Store,
+        report: VerifyReport,
+        *,
+        server: VerifyServer | None,
+        count: int,
+        seed: int,
+        say: Callable[[str], None],
+    ) -> str | None:
+        """The check on `count` samples, as hsx_store.integrity.verify_store runs a check (with
+        the store and its report, the rest bound): a skip reason or None."""
+        return cls(store, report, server, say).check(count, seed)
 
     def check(self, count: int, seed: int) -> str | None:
         if count <= 0 or self.server is None:

@@ -15,17 +15,15 @@ from __future__ import annotations
 
 import math
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor, as_completed
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from cluster.verify.model_check import ModelCheck
-from cluster.verify.server import VerifyServer
-from hsx_store.format import Store
 from hsx_store.fp8 import FP8_DTYPE, dequantize, scale_name
-from hsx_store.integrity import VerifyReport, describe_recompute, relative
+from hsx_store.integrity import describe_recompute, relative
 
 if TYPE_CHECKING:  # torch is imported where a recompute needs it: plain checks go without
     import torch
@@ -226,16 +224,3 @@ class RecomputeCheck(ModelCheck):
                         f"{relative(far)} from sample {self.label(j)}'s recompute, not "
                         f"{CROSS_MARGIN:g} x further than from its own ({relative(near)})",
                     )
-
-
-def check_recompute(
-    store: Store,
-    report: VerifyReport,
-    *,
-    server: VerifyServer | None,
-    count: int,
-    seed: int,
-    say: Callable[[str], None],
-) -> str | None:
-    """The check, as hsx_store.integrity.verify_store runs it: a skip reason or None."""
-    return RecomputeCheck(store, report, server, say).check(count, seed)

@@ -26,6 +26,7 @@ from hsx_store.export import export
 from hsx_store.format import Store
 from hsx_store.reader import HiddenStatesDataset
 from tests.helpers.hf_reference import reference_model
+from tests.helpers.jobs import job_config
 from tests.helpers.models import indexed_copy
 from tests.helpers.ray_cluster import SOLO_NODE, SimulatedCluster
 
@@ -62,21 +63,10 @@ def job(
         messages = [{"role": "user", "content": text}, {"role": "assistant", "content": answer}]
         rows.append({"id": f"c{i}", "messages": messages})
     data.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    config = {
-        "model": {"path": str(model), "dtype": "float32"},
-        "data": {"paths": [str(data)], "max_length": 256},
-        "store": {"url": str(root / "s.zarr"), "samples_per_shard": 4, "chunk_tokens": 64},
-        "server": {"max_total_tokens": 8192, "start_timeout_s": 300},
-        "worker": {
-            "node_resource": SOLO_NODE,
-            "inflight": 4,
-            "heartbeat_s": 0.5,
-            "dump_root": str(root),
-            "log_root": str(root),
-        },
-        "queue": {"lease_s": 30, "straggler_min_s": 600},
-        "driver": {"progress_interval_s": 1},
-    }
+    config = job_config(model, data, root / "s.zarr", root)
+    config["model"] = {"path": str(model), "dtype": "float32"}  # SGLang's default layers
+    config["store"]["samples_per_shard"] = 4
+    config["worker"]["node_resource"] = SOLO_NODE
     ray_cluster.acquire()
     assert run_job(parse_config(config), say=lambda _: None) == 0
     ray_cluster.release()

@@ -22,16 +22,14 @@ from actors.shard_writer import ShardWriter
 from cluster.config import parse_config
 from cluster.driver import run_job
 from cluster.verify import verify as verify_command
-from cluster.verify.logprobs import (
-    check_logprobs,
-)
+from cluster.verify.logprobs import LogprobCheck
 from cluster.verify.model_check import checked_samples
 from cluster.verify.server import VerifyServer
 from hsx_store.format import Store, create_store, make_manifest
 from hsx_store.integrity import CHECKS, VerifyReport, verify_store
 from hsx_store.layers import expected_capture
 from patches.dump_files import read_dump, release_dump
-from tests.helpers.jobs import FinishedJob
+from tests.helpers.jobs import FinishedJob, job_config
 from tests.helpers.ray_cluster import SOLO_NODE
 from tests.helpers.reports import check_lines, errors, verify
 
@@ -52,25 +50,11 @@ def run_real_job(
         for i in range(8)
     ]
     data.write_text("".join(json.dumps(r) + "\n" for r in lines))
-    config = {
-        "model": {"path": str(model), "dtype": dtype, "aux_layer_ids": list(layer_ids)},
-        "data": {"paths": [str(data)], "max_length": 256},
-        "store": {"url": str(tmp_path / "s.zarr"), "samples_per_shard": 4, "chunk_tokens": 64},
-        "server": {
-            "max_total_tokens": 8192,
-            "start_timeout_s": 300,
-            "extra_args": list(server_args),
-        },
-        "worker": {
-            "node_resource": SOLO_NODE,
-            "inflight": 4,
-            "heartbeat_s": 0.5,
-            "dump_root": str(tmp_path),
-            "log_root": str(tmp_path),  # a killed worker keeps its server log: here
-        },
-        "queue": {"lease_s": 30, "straggler_min_s": 600},
-        "driver": {"progress_interval_s": 1},
-    }
+    config = job_config(model, data, tmp_path / "s.zarr", tmp_path)
+    config["model"].update(dtype=dtype, aux_layer_ids=list(layer_ids))
+    config["store"]["samples_per_shard"] = 4
+    config["server"]["extra_args"] = list(server_args)
+    config["worker"]["node_resource"] = SOLO_NODE
     assert run_job(parse_config(config), say=lambda _: None) == 0
     return tmp_path / "s.zarr"
 
@@ -231,7 +215,9 @@ def captured_store(model: Path, url: Path, dtype: str, server: VerifyServer) -> 
 
 def check(url: Path, server: VerifyServer) -> VerifyReport:
     say = functools.partial(print, flush=True)
-    logprobs = functools.partial(check_logprobs, server=server, count=SAMPLES, seed=0, say=say)
+    logprobs = functools.partial(
+        LogprobCheck.run_check, server=server, count=SAMPLES, seed=0, say=say
+    )
     report = verify_store(url, logprobs=logprobs, say=say)
     print(report.format())
     return report
