@@ -19,7 +19,7 @@ class DumpMismatch(ValueError):
     """The dump does not belong to, or does not fully describe, the planned sample."""
 
 
-def verify_dump(
+def check_dump(
     tensors: dict[str, torch.Tensor],
     meta: dict[str, Any],
     *,

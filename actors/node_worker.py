@@ -43,7 +43,7 @@ from actors.capture_client import (
     wait_for_dump,
 )
 from actors.config import WorkerJobConfig
-from actors.dump_checks import DumpMismatch, verify_dump
+from actors.dump_checks import DumpMismatch, check_dump
 from actors.lease_keeper import Lease, LeaseKeeper, LeaseLost, ray_caller
 from actors.sglang_server import ServerError, ServerSpec, SGLangServer
 from actors.shard_writer import ShardWriter
@@ -392,7 +392,7 @@ class NodeWorker:
         t0 = time.perf_counter()
         try:
             tensors, meta = read_dump(wait_for_dump(response.dump_path))
-            verify_dump(
+            check_dump(
                 tensors,
                 meta,
                 rid=response.rid,

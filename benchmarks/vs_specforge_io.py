@@ -1,7 +1,7 @@
 """Our hidden-state I/O against SpecForge 0.2.0's offline path, on the same rows and disk.
 
 Write: SpecForge's `HiddenStatesGenerator` (reproduced from its source: a NaN scan and
-`torch.save` per sample on a thread pool) vs `verify_dump` + `ShardWriter`, commits included.
+`torch.save` per sample on a thread pool) vs `check_dump` + `ShardWriter`, commits included.
 Cold read (page cache dropped per file with posix_fadvise): its `FeatureDataLoader` (4 threads)
 vs `HiddenStatesIterable`, and vs `dd` of our chunk files. The collator (padding to a batch) is
 left out on both sides. Bytes per token against the payload, measured and projected at 64
@@ -31,7 +31,7 @@ import numpy as np
 import torch
 
 from actors.calibration import Calibration
-from actors.dump_checks import verify_dump
+from actors.dump_checks import check_dump
 from actors.shard_writer import ShardWriter
 from benchmarks.reader_vs_raw_read import stand_in_manifest
 from benchmarks.rounds import Rounds, alternate
@@ -169,7 +169,7 @@ def ours_write(samples: list[Sample], store: Store) -> None:
                 "final_hidden_states": s.final,
             }
             meta = {"rid": f"r{i}", "index": i + 1, "layer_ids": m.layer_ids}
-            verify_dump(
+            check_dump(
                 tensors,
                 meta,
                 rid=f"r{i}",

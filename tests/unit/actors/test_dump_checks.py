@@ -1,4 +1,4 @@
-"""The value check of verify_dump: the first token row holding an inf or NaN, scanned blockwise."""
+"""The value check of check_dump: the first token row holding an inf or NaN, scanned blockwise."""
 
 from __future__ import annotations
 
