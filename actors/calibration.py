@@ -8,13 +8,13 @@ that the server captures what the store's manifest promises. A mismatch stops th
 
 from __future__ import annotations
 
+import logging
 import time
 import uuid
 from dataclasses import dataclass
 
-import torch
-
 from actors.capture_client import generate_and_capture, wait_for_dump
+from actors.dump_checks import DumpMismatch, check_states
 from actors.sglang_server import SGLangServer
 from hsx_store.format import Manifest
 from patches.dump_files import read_dump, release_dump
@@ -23,6 +23,8 @@ PROBE_TEXT = "Calibration probe: the capital city of France is Paris, and 2 + 2 
 # Dump meta fields that must equal the manifest's fields of the same name; and its dtype, the
 # manifest's served dtype (an FP8 store's is bfloat16).
 CAPTURE_FIELDS = ("layer_ids", "layer_convention", "hidden_size", "num_aux")
+
+log = logging.getLogger(__name__)
 
 
 class CalibrationError(RuntimeError):
@@ -84,9 +86,11 @@ def calibrate(
                 f"token ids: the server tokenized the probe as {server_ids[:16]}..., the plan's "
                 f"tokenizer as {expected_ids[:16]}... (different tokenizer?)"
             )
-        for name in manifest.hidden_arrays:
-            if name in tensors and not bool(torch.isfinite(tensors[name]).all()):
-                problems.append(f"{name}: non-finite values in the probe's capture")
+        problems += _quantization_problems(server.spec.capture.quantize, meta.get("quantized"))
+        try:
+            check_states(tensors, meta, manifest, len(server_ids))
+        except DumpMismatch as e:
+            problems.append(f"the probe's capture: {e}")
         if problems:
             raise CalibrationError(
                 "the server's capture does not match the store's manifest:\n  "
@@ -97,3 +101,18 @@ def calibrate(
     return Calibration(
         int(meta["index"]), len(server_ids), time.monotonic() - started, meta.get("dp_rank")
     )
+
+
+def _quantization_problems(asked: str | None, dumped: str | None) -> list[str]:
+    """A server asked to quantize whose plugin dumps rows as served (an older plugin) is fine:
+    the shard writer quantizes them. Any other difference is a problem."""
+    if asked == dumped:
+        return []
+    if asked and dumped is None:
+        log.warning(
+            "the server's capture plugin dumps unquantized rows (asked for %s): the shard "
+            "writer quantizes them instead",
+            asked,
+        )
+        return []
+    return [f"quantized: the server dumps {dumped!r}, the worker asked for {asked!r}"]

@@ -87,6 +87,11 @@ class StoreConfig(Section):
     dtype: Literal["model", "fp8_e4m3"] = "model"
     """"model": the served dtype, bit for bit; "fp8_e4m3": e4m3 with a float32 scale per
     token and layer, ~half of bf16's bytes, read back as bf16 (needs model.dtype bfloat16)."""
+    fp8_quantizer: Literal["server", "writer"] = "server"
+    """Where an fp8_e4m3 store's rows are quantized. "server": in the capture plugin (on a GPU,
+    on the stream that copies them out: half the bytes to copy, hold and write); "writer": the
+    worker's shard writer, from bf16 dumps. The stored bytes are the same; a server whose
+    plugin dumps bf16 (an older one) gets the writer either way."""
 
 
 class ServerConfig(Section):

@@ -6,13 +6,16 @@ report and the values themselves must all agree with the planned sample.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
 
-from actors.calibration import Calibration
 from hsx_store.format import Manifest
+from hsx_store.fp8 import invalid_rows, scale_name
+
+if TYPE_CHECKING:  # calibration checks its probe's states here
+    from actors.calibration import Calibration
 
 
 class DumpMismatch(ValueError):
@@ -39,30 +42,59 @@ def check_dump(
     if cached_tokens != 0:
         raise DumpMismatch(f"{cached_tokens} prompt tokens came from the prefix cache")
     p = len(input_ids)
-    shapes = {
-        "input_ids": (p,),
-        "aux_hidden_states": (p, manifest.num_aux, manifest.hidden_size),
-        **{name: (p, manifest.hidden_size) for name in manifest.hidden_arrays[1:]},
-    }
-    for name, shape in shapes.items():
-        if name not in tensors:
-            raise DumpMismatch(f"the dump has no {name} (the store keeps it)")
-        if tuple(tensors[name].shape) != shape:
-            raise DumpMismatch(f"{name} has shape {tuple(tensors[name].shape)}, expected {shape}")
+    if "input_ids" not in tensors or tuple(tensors["input_ids"].shape) != (p,):
+        got = tuple(tensors["input_ids"].shape) if "input_ids" in tensors else "no input_ids"
+        raise DumpMismatch(f"input_ids: {got}, expected shape {(p,)}")
     if not np.array_equal(tensors["input_ids"].numpy(), input_ids):
         first = int(np.flatnonzero(tensors["input_ids"].numpy() != input_ids)[0])
         raise DumpMismatch(f"token ids differ from the plan from position {first}")
     if meta.get("layer_ids") != manifest.layer_ids:
         raise DumpMismatch(f"layers {meta.get('layer_ids')} != manifest {manifest.layer_ids}")
+    check_states(tensors, meta, manifest, p)
+
+
+def check_states(
+    tensors: dict[str, torch.Tensor], meta: dict[str, Any], manifest: Manifest, p: int
+) -> None:
+    """Every hidden array the store keeps is in the dump, for p tokens, in the served dtype
+    and finite; or, quantized by the server for an FP8 store, as e4m3 values without NaN and
+    float32 scales that are powers of two (hsx_store/fp8.py)."""
+    quantized = meta.get("quantized")
+    if quantized and quantized != manifest.dtype:
+        raise DumpMismatch(
+            f"the dump's rows are quantized as {quantized}, the store keeps {manifest.dtype}"
+        )
     for name in manifest.hidden_arrays:
-        if str(tensors[name].dtype).removeprefix("torch.") != manifest.served_dtype:
-            raise DumpMismatch(
-                f"{name} is {tensors[name].dtype}, the store's model is served in "
-                f"{manifest.served_dtype}"
-            )
-        row = _first_non_finite_row(tensors[name])
-        if row is not None:
-            raise DumpMismatch(f"{name} has non-finite values from token {row}")
+        rows = (p, manifest.num_aux) if name == "aux_hidden_states" else (p,)
+        dtype = torch.float8_e4m3fn if quantized else getattr(torch, manifest.served_dtype)
+        _expect(tensors, name, (*rows, manifest.hidden_size), dtype)
+        if not quantized:
+            row = _first_non_finite_row(tensors[name])
+            if row is not None:
+                raise DumpMismatch(f"{name} has non-finite values from token {row}")
+            continue
+        scale = scale_name(name)
+        _expect(tensors, scale, rows, torch.float32)
+        bad_values, bad_scales = invalid_rows(
+            tensors[name].view(torch.uint8).numpy(), tensors[scale].numpy()
+        )
+        if bad_scales.any():
+            row = int(np.flatnonzero(bad_scales)[0])
+            raise DumpMismatch(f"{scale} at token {row} is not 0 or a finite power of two")
+        if bad_values.any():
+            row = int(np.flatnonzero(bad_values)[0])
+            raise DumpMismatch(f"{name} has NaN (or non-finite once scaled) from token {row}")
+
+
+def _expect(
+    tensors: dict[str, torch.Tensor], name: str, shape: tuple[int, ...], dtype: torch.dtype
+) -> None:
+    if name not in tensors:
+        raise DumpMismatch(f"the dump has no {name} (the store keeps it)")
+    if tuple(tensors[name].shape) != shape:
+        raise DumpMismatch(f"{name} has shape {tuple(tensors[name].shape)}, expected {shape}")
+    if tensors[name].dtype != dtype:
+        raise DumpMismatch(f"{name} is {tensors[name].dtype}, expected {dtype} for this store")
 
 
 # Float dtypes by their bits: (integer view, |x| mask, bits of +inf). Exponent all ones (inf or

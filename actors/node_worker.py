@@ -49,6 +49,7 @@ from actors.sglang_server import ServerError, ServerSpec, SGLangServer
 from actors.shard_writer import ShardWriter
 from actors.worker_metrics import WorkerMetrics
 from hsx_store.format import Store
+from hsx_store.fp8 import FP8_DTYPE, Fp8Rows, scale_name
 from hsx_store.model_identity import model_mismatches
 from patches.dump_files import TMP_PREFIX, clear_unpublished, read_dump, release_dump
 from patches.settings import CaptureSettings
@@ -65,7 +66,8 @@ class ModelMismatch(RuntimeError):
 
 @dataclass(frozen=True)
 class Captured:
-    states: tuple[torch.Tensor, ...]  # the dump's rows of each hidden array the store keeps
+    # the dump's rows of each hidden array the store keeps (quantized by the server: Fp8Rows)
+    states: tuple[torch.Tensor | Fp8Rows, ...]
     dump_path: Path
 
 
@@ -191,6 +193,7 @@ class NodeWorker:
                 self.config.max_pending_bytes,
                 mla_cpu_fix=True,
                 max_tokens=self.store.manifest.max_length,
+                quantize=self._server_quantizes(),
             ),
             aux_layer_ids=self.job.model.aux_layer_ids,
             tp_size=self._tp_size(on_gpu),
@@ -205,6 +208,12 @@ class NodeWorker:
             self.probe_ids,
             spec.capture.rid_prefix,
         )
+
+    def _server_quantizes(self) -> str | None:
+        """An FP8 store's rows are quantized in the server unless the job asks for the
+        writer (actors/config.py `fp8_quantizer`)."""
+        fp8 = self.store.manifest.dtype == FP8_DTYPE
+        return FP8_DTYPE if fp8 and self.job.store.fp8_quantizer == "server" else None
 
     def _tp_size(self, on_gpu: bool) -> int:
         """The server's TP size. Ray pins this worker to its GPU group (num_gpus), so the GPUs
@@ -405,7 +414,11 @@ class NodeWorker:
             release_dump(response.dump_path)
             raise
         self.metrics.record_verify(time.perf_counter() - t0)
-        states = tuple(tensors[name] for name in self.store.manifest.hidden_arrays)
+        names, quantized = self.store.manifest.hidden_arrays, meta.get("quantized")
+        if quantized:
+            states = tuple(Fp8Rows(tensors[n], tensors[scale_name(n)]) for n in names)
+        else:
+            states = tuple(tensors[n] for n in names)
         return Captured(states, response.dump_path)
 
     def _write(self, i: int, captured: Captured, writer: ShardWriter) -> None:

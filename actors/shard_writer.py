@@ -40,13 +40,15 @@ from hsx_store.format import (
     StoredArray,
     stored_arrays,
 )
-from hsx_store.fp8 import FP8_DTYPE, quantize
+from hsx_store.fp8 import FP8_DTYPE, Fp8Rows, quantize
 from hsx_store.location import SinglePutObjectStore
 
 
-def _raw(x: np.ndarray | torch.Tensor, dtype: str, what: str) -> np.ndarray:
+def _raw(x: np.ndarray | torch.Tensor | Fp8Rows, dtype: str, what: str) -> np.ndarray:
     """The array's values in `dtype` as numpy: bf16 as its raw uint16 bits (bit-exact, NaN
     payloads included)."""
+    if isinstance(x, Fp8Rows):
+        raise ValueError(f"{what}: FP8 rows, the store keeps {dtype}")
     if isinstance(x, torch.Tensor):
         x = x.detach().cpu()
         if dtype == "bfloat16" and x.dtype == torch.bfloat16:
@@ -59,6 +61,16 @@ def _raw(x: np.ndarray | torch.Tensor, dtype: str, what: str) -> np.ndarray:
         return x
     # Never convert silently: a dtype other than the manifest's means the server is not the plan's.
     raise ValueError(f"{what}: dtype {x.dtype} does not match the store's {dtype}")
+
+
+def _fp8_bits(rows: Fp8Rows, what: str) -> tuple[np.ndarray, np.ndarray]:
+    """Rows the server quantized, as stored: e4m3 bits (uint8) and float32 scales, no copy."""
+    values, scales = rows.values.detach().cpu(), rows.scales.detach().cpu()
+    if values.dtype not in (torch.float8_e4m3fn, torch.uint8) or scales.dtype != torch.float32:
+        raise ValueError(f"{what}: FP8 rows are {values.dtype} with {scales.dtype} scales")
+    if tuple(scales.shape) != tuple(values.shape[:-1]):
+        raise ValueError(f"{what}: scales {tuple(scales.shape)} for values {rows.shape}")
+    return values.view(torch.uint8).numpy(), scales.numpy()
 
 
 def _short(name: str) -> str:
@@ -255,7 +267,9 @@ class ShardWriter:
         self._status = np.full(shard.sample_end - shard.sample_begin, STATUS_PLANNED, np.uint8)
         self._failed: dict[str, str] = {}
         self._ids = store.array("sample_id")[shard.sample_begin : shard.sample_end]
+        self._threads = threads
         self._pool = ThreadPoolExecutor(threads, thread_name_prefix=f"shard{shard.index}-write")
+        self._quantizers: ThreadPoolExecutor | None = None  # made for the first bf16 FP8 rows
         self._slots = threading.Semaphore(2 * threads)
         self._futures: list[Future[None]] = []
         self._lock = threading.Lock()
@@ -267,7 +281,7 @@ class ShardWriter:
     def write_sample(
         self,
         sample_index: int,
-        *states: np.ndarray | torch.Tensor,
+        *states: np.ndarray | torch.Tensor | Fp8Rows,
         on_release: Callable[[], None] | None = None,
     ) -> None:
         """One sample's rows, one array per hidden array of the store in the manifest's
@@ -275,8 +289,9 @@ class ShardWriter:
         keeps it, pre-norm [P, H]; P is its planned length, the dtype the served one. The rows
         are written from this memory, so the arrays must stay untouched until `on_release` is
         called: once every chunk holding its rows is written (or its rows were copied out). An
-        FP8 store quantizes them first (hsx_store/fp8.py) and releases them then; a non-finite value
-        there is a ValueError."""
+        FP8 store takes rows the server quantized (Fp8Rows) as they are, and quantizes bf16 rows
+        first (hsx_store/fp8.py), releasing them then; a non-finite value there is a
+        ValueError."""
         t0 = time.perf_counter()
         rows = self._claim(sample_index)
         p, name = rows.stop - rows.start, self._name(sample_index)
@@ -287,8 +302,8 @@ class ShardWriter:
                 f"{len(names)} ({', '.join(names)})"
             )
         hidden = dict(zip(names, states, strict=True))
-        stored = self._as_stored(hidden, p, f"sample {name}")
-        if self.store.manifest.dtype == FP8_DTYPE:  # quantized copies: the dump is done with
+        stored, lent = self._as_stored(hidden, p, f"sample {name}")
+        if not lent:  # quantized copies: the caller's memory is done with
             if on_release is not None:
                 on_release()
             on_release = None
@@ -327,6 +342,7 @@ class ShardWriter:
         if missing.size:
             raise ValueError(f"shard {self.shard.index}: samples {missing.tolist()} not written")
         self._pool.shutdown(wait=True)
+        self._stop_quantizers()
         for f in self._futures:
             f.result()  # re-raise a failed chunk write
         self._raise_if_stopped()
@@ -364,6 +380,7 @@ class ShardWriter:
         every sample's memory still lent is released."""
         self._stopped = True
         self._pool.shutdown(wait=True, cancel_futures=True)
+        self._stop_quantizers()
         for pieces in self._pieces.values():  # incomplete chunks: never to be written
             self._release(pieces)
         self._pieces.clear()
@@ -372,27 +389,41 @@ class ShardWriter:
     # -- internals ---------------------------------------------------------------------------
 
     def _as_stored(
-        self, hidden: dict[str, np.ndarray | torch.Tensor], p: int, what: str
-    ) -> list[np.ndarray]:
+        self, hidden: dict[str, np.ndarray | torch.Tensor | Fp8Rows], p: int, what: str
+    ) -> tuple[list[np.ndarray], bool]:
         """A sample's hidden arrays as stored, in `self._stored` order, contiguous (each
-        chunk's piece of them is one range of bytes to write); an FP8 store's quantized here,
-        its scales after its values."""
+        chunk's piece of them is one range of bytes to write), and whether they are the
+        caller's memory (lent until written) rather than copies. An FP8 store's rows come
+        quantized by the server (Fp8Rows) or are quantized here, on the quantizer threads;
+        their scales follow their values."""
         m = self.store.manifest
-        served = {n: _raw(x, m.served_dtype, f"{what} {_short(n)}") for n, x in hidden.items()}
         wanted = {a.name: (p, *a.row_shape) for a in self._stored if a.name in hidden}
-        got = {n: tuple(x.shape) for n, x in served.items()}
+        got = {n: tuple(x.shape) for n, x in hidden.items()}
         if got != wanted:
             raise ValueError(f"{what}: got shapes {got}, expected {p} rows: {wanted}")
         if m.dtype != FP8_DTYPE:
-            return [np.ascontiguousarray(served[a.name]) for a in self._stored]
-        quantized = [
-            quantize(
-                torch.from_numpy(served[n].view(np.int16)).view(torch.bfloat16),
-                f"{what} {_short(n)}",
+            served = {n: _raw(x, m.served_dtype, f"{what} {_short(n)}") for n, x in hidden.items()}
+            return [np.ascontiguousarray(served[a.name]) for a in self._stored], True
+        pairs = [self._fp8(hidden[n], f"{what} {_short(n)}") for n in wanted]
+        lent = all(isinstance(x, Fp8Rows) for x in hidden.values())
+        return [bits for bits, _ in pairs] + [scales for _, scales in pairs], lent
+
+    def _fp8(
+        self, x: np.ndarray | torch.Tensor | Fp8Rows, what: str
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """(e4m3 bits, scales) of one hidden array: the server's as they are, else quantized."""
+        if isinstance(x, Fp8Rows):
+            return _fp8_bits(x, what)
+        if self._quantizers is None:  # every step releases the GIL: the blocks run in parallel
+            self._quantizers = ThreadPoolExecutor(
+                self._threads, thread_name_prefix=f"shard{self.shard.index}-quantize"
             )
-            for n in wanted  # stored order: the values come first, then their scales
-        ]
-        return [q for q, _ in quantized] + [scale for _, scale in quantized]
+        bits = _raw(x, self.store.manifest.served_dtype, what).view(np.int16)
+        return quantize(torch.from_numpy(bits).view(torch.bfloat16), what, self._quantizers)
+
+    def _stop_quantizers(self) -> None:
+        if self._quantizers is not None:
+            self._quantizers.shutdown(wait=True)
 
     def _name(self, i: int) -> str:
         return f"{i} ({self._ids[i - self.shard.sample_begin]})"

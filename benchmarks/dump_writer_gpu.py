@@ -15,6 +15,7 @@ consumer in another process, the staging fallback, and the slowdown of concurren
 from __future__ import annotations
 
 import argparse
+import math
 import mmap
 import os
 import queue
@@ -30,6 +31,7 @@ import torch
 from safetensors import safe_open
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from hsx_store.fp8 import quantize, quantize_rows
 from patches.dump_files import read_dump, release_dump
 from patches.dump_writer import DumpWriter
 from patches.host_regions import populate
@@ -37,6 +39,13 @@ from patches.host_regions import populate
 T, H = 8192, 7168
 SPEC = {"aux": ((T, 3 * H), torch.bfloat16), "final": ((T, H), torch.bfloat16)}
 NBYTES = T * 4 * H * 2
+FP8_SPEC = {
+    "aux_scale": ((T, 3), torch.float32),
+    "final_scale": ((T,), torch.float32),
+    "aux": ((T, 3, H), torch.float8_e4m3fn),
+    "final": ((T, H), torch.float8_e4m3fn),
+}
+TARGET = 50  # GB/s of bf16 captured: PCIe gen5 x16 moves ~55 GB/s of bf16
 rows: list[tuple[str, str]] = []
 
 
@@ -145,12 +154,19 @@ def unregister_while_busy(root: Path) -> None:
         os.unlink(p)
 
 
-def one_dump(w: DumpWriter, name: str, aux: torch.Tensor, final: torch.Tensor) -> float:
-    """Forward-thread time of open + fill + publish."""
+def one_dump(
+    w: DumpWriter, name: str, aux: torch.Tensor, final: torch.Tensor, fp8: bool = False
+) -> float:
+    """Forward-thread time of open + fill + publish; `fp8`: quantized on the side stream, as
+    the capture plugin does for an FP8 store."""
     t = time.perf_counter()
-    pd = w.open(name, SPEC, {"rid": name})
-    pd.fill("aux", 0, aux)
-    pd.fill("final", 0, final)
+    pd = w.open(name, FP8_SPEC if fp8 else SPEC, {"rid": name})
+    if fp8:
+        pd.fill_converted(("aux", "aux_scale"), 0, aux.view(T, 3, H), quantize_rows)
+        pd.fill_converted(("final", "final_scale"), 0, final, quantize_rows)
+    else:
+        pd.fill("aux", 0, aux)
+        pd.fill("final", 0, final)
     pd.publish()
     return time.perf_counter() - t
 
@@ -217,13 +233,14 @@ def consumer_main(root: Path) -> int:
     return 0
 
 
-def sustained(w: DumpWriter, c: Consumer, tag: str, aux, final, n: int) -> float:
-    """n dumps back to back, each released by the consumer: first open to last published."""
+def sustained(w: DumpWriter, c: Consumer, tag: str, aux, final, n: int, fp8: bool = False) -> float:
+    """n dumps back to back, each released by the consumer: first open to last published;
+    GB/s of bf16 captured."""
     torch.cuda.synchronize()
     t = time.perf_counter()
     for i in range(n):
         name = f"{tag}{i}-{time.monotonic_ns()}"
-        one_dump(w, name, aux, final)
+        one_dump(w, name, aux, final, fp8)
         c.put(name)
     w.flush()
     return n * NBYTES / (time.perf_counter() - t) / 1e9
@@ -308,6 +325,42 @@ def ring_runs(root: Path, aux: torch.Tensor, final: torch.Tensor, n: int) -> flo
     return min(runs)
 
 
+def fp8_runs(root: Path, aux: torch.Tensor, final: torch.Tensor, n: int) -> float:
+    """FP8 dumps, quantized on the side stream as the capture plugin does for an FP8 store:
+    their bytes against the CPU quantizer's, and the sustained rate (GB/s of bf16 captured)."""
+    d = root / "fp8"
+    w = DumpWriter(d, region_bytes=sum(math.prod(s) * t.itemsize for s, t in FP8_SPEC.values()))
+    one_dump(w, "check", aux, final, fp8=True)
+    w.flush()
+    tensors, _ = read_dump(d / "check")
+    for name, x in (("aux", aux.view(T, 3, H)), ("final", final)):
+        bits, scales = quantize(x.cpu(), name)
+        assert torch.equal(tensors[name].view(torch.uint8), torch.from_numpy(bits)), name
+        assert torch.equal(tensors[name + "_scale"], torch.from_numpy(scales)), name
+    del tensors
+    release_dump(d / "check")
+    row("fp8: a dump's bytes equal the CPU quantizer's (the writer's fallback)", "yes")
+    c = Consumer(d)
+    sustained(w, c, "warm", aux, final, n, fp8=True)  # make the regions first
+    fwd = [one_dump(w, f"f{i}", aux, final, fp8=True) for i in range(n)]
+    for i in range(n):
+        c.put(f"f{i}")
+    w.flush()
+    row(
+        "fp8: forward thread in open+fill+publish (median / max)",
+        f"{sorted(fwd)[n // 2] * 1e3:8.2f} / {max(fwd) * 1e3:.2f} ms",
+    )
+    runs = [sustained(w, c, f"q{k}-", aux, final, 2 * n, fp8=True) for k in range(3)]
+    row(
+        f"fp8: {2 * n} dumps back to back, GB/s of bf16 captured (3 runs)",
+        " ".join(f"{x:.1f}" for x in runs) + " GB/s",
+    )
+    c.close()
+    w.close()
+    shutil.rmtree(d)
+    return min(runs)
+
+
 def concurrent(root: Path, aux: torch.Tensor, final: torch.Tensor, n: int) -> None:
     """bf16 matmuls on the default stream, with and without a dump after every block of them."""
     a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
@@ -317,7 +370,7 @@ def concurrent(root: Path, aux: torch.Tensor, final: torch.Tensor, n: int) -> No
     c = Consumer(d)
     sustained(w, c, "warm", aux, final, n)  # make the regions first
 
-    def run(per_dump: int, dump: bool) -> tuple[float, list[float]]:
+    def run(per_dump: int, dump: bool, fp8: bool = False) -> tuple[float, list[float]]:
         torch.cuda.synchronize()
         blocks = []
         t = time.perf_counter()
@@ -327,7 +380,7 @@ def concurrent(root: Path, aux: torch.Tensor, final: torch.Tensor, n: int) -> No
                 torch.mm(a, b)
             if dump:
                 name = f"c{i}-{time.monotonic_ns()}"
-                one_dump(w, name, aux, final)
+                one_dump(w, name, aux, final, fp8)
                 c.put(name)
             blocks.append(time.perf_counter() - te)
         torch.cuda.synchronize()
@@ -350,6 +403,12 @@ def concurrent(root: Path, aux: torch.Tensor, final: torch.Tensor, n: int) -> No
             " ".join(f"{x * 1e3:.0f}" for x in base_enq)
             + " / "
             + " ".join(f"{x * 1e3:.0f}" for x in with_enq),
+        )
+        with_fp8, _ = run(per_dump, True, fp8=True)
+        w.flush()
+        row(
+            "  the same, FP8 dumps (quantized on the side stream): slowdown",
+            f"{(with_fp8 / base - 1) * 100:8.2f} %",
         )
 
     # Does the forward thread ever wait for the copy? Time open+fill+publish right after
@@ -441,13 +500,15 @@ def main() -> int:
     print(f"one dump: {NBYTES / 1e6:.0f} MB")
     primitives(root, aux, final)
     unregister_while_busy(root)
-    value = ring_runs(root, aux, final, args.dumps)
+    bf16 = ring_runs(root, aux, final, args.dumps)
+    fp8 = fp8_runs(root, aux, final, args.dumps)
     concurrent(root, aux, final, args.dumps)
     shutil.rmtree(root, ignore_errors=True)
     print("\n| measurement | value |\n| --- | --- |")
     for name, v in rows:
         print(f"| {name} | {' '.join(v.split())} |")
-    print(f"RESULT name=dump_writer_gpu value={value:.1f} target=20 unit=GB/s")
+    print(f"bf16 dumps {bf16:.1f} GB/s, FP8 dumps {fp8:.1f} GB/s (worst sustained runs)")
+    print(f"RESULT name=dump_writer_gpu value={min(bf16, fp8):.1f} target={TARGET} unit=GB/s")
     return 0
 
 

@@ -1,18 +1,19 @@
-"""FP8 (e4m3) storage of hidden-state rows: one scale per row (a token's layer).
+"""FP8 (e4m3) storage of hidden-state rows: one power-of-two scale per row (a token's layer).
 
 A row x is stored as the e4m3 bits of x / s (uint8: zarr 3.1 has no fp8 dtype) and its scale s
 (float32): s = 2 ** (e - 8) for max |x| = m * 2 ** e, 0.5 <= m < 1 (frexp); 0 for an all-zero
-row. A power of two, so nothing saturates and scaling and dequantizing are exact: the only
-rounding is the one to e4m3. Non-finite input is refused (ValueError naming the row).
+row. Scaling is exact, so the only rounding is the one to e4m3 (a row in the top binade, max
+|x| >= 2 ** 127, saturates at 240 so that it never dequantizes to inf).
 
-Quantizing works on blocks of rows of QUANT_BLOCK_BYTES (as float32): reductions and scaling in
-numpy, casts in torch on blocks below its parallel grain (torch's row reductions stalled on a
-busy 2-core machine).
-
-Why a power of two, the error bounds, the bytes: docs/store-format.md.
+`quantize_rows` is the definition, in tensor ops on any device: the capture plugin runs it on
+the GPU. `quantize` gives the same bytes on a CPU, fast, in blocks of rows on the caller's
+threads (the shard writer's fallback for bf16 dumps). Bounds, bytes: docs/store-format.md.
 """
 
 from __future__ import annotations
+
+from concurrent.futures import Executor
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -20,9 +21,15 @@ import torch
 FP8_DTYPE = "fp8_e4m3"  # the manifest's dtype of an FP8 store
 FP8_ATTR = {"stored_as": "uint8", "dtype": "float8_e4m3fn"}
 SCALE_SUFFIX = "_scale"  # hidden array "aux_hidden_states" -> scales "aux_hidden_states_scale"
-# exponent(amax) - 8: |x / s| < 2 ** 8 = 256 <= 448
+# exponent(amax) - 8: |x / s| < 2 ** 8 = 256 <= 448 (e4m3's largest)
 SCALE_EXPONENT_OFFSET = 8
-QUANT_BLOCK_BYTES = 1 << 17  # float32 rows converted at once (see quantize)
+# Rows with max |x| >= 2 ** 127 (exponent 128) have scale 2 ** 120: a value rounding up to 256
+# would dequantize to 2 ** 128, inf in float32 and bf16. They saturate at 240, the e4m3 value
+# below 256 (the error stays under the bound, 2 ** -4 relative: 15 / 255).
+TOP_EXPONENT, TOP_LIMIT = 128, 240.0
+E4M3_NAN = 0x7F  # e4m3fn has no inf: |bits| == 0x7F is NaN
+# CPU blocks: this many bf16 bytes of rows at a time stay in a core's L2 cache.
+BLOCK_BYTES = 1 << 18
 
 
 def scale_name(hidden: str) -> str:
@@ -30,37 +37,110 @@ def scale_name(hidden: str) -> str:
     return hidden + SCALE_SUFFIX
 
 
-def quantize(x: torch.Tensor, what: str) -> tuple[np.ndarray, np.ndarray]:
-    """x [P, ..., H] (any float dtype) as (e4m3 bits uint8 [P, ..., H], scales float32
-    [P, ...]): one scale per row of the last axis. Raises ValueError, naming `what` and the
-    first row, if x holds an inf or NaN."""
+@dataclass(frozen=True)
+class Fp8Rows:
+    """Rows already quantized (by the capture plugin): e4m3 values [P, ..., H] (uint8 bits or
+    float8_e4m3fn) and their float32 scales [P, ...]."""
+
+    values: torch.Tensor
+    scales: torch.Tensor
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return tuple(self.values.shape)
+
+    @property
+    def nbytes(self) -> int:
+        return self.values.nbytes + self.scales.nbytes
+
+
+def _pow2(k: torch.Tensor) -> torch.Tensor:
+    """2.0 ** k as float32, exactly, for int32 k in [-126, 127] (built from its bits)."""
+    return ((k + 127) << 23).view(torch.float32)
+
+
+def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [..., H] (bf16 or float32, any device) as (e4m3 values [..., H], float32 scales [...]),
+    on x's device. Tensor ops only, no host synchronization: the capture plugin runs it on a
+    CUDA side stream. A row holding an inf or NaN gets a NaN scale and NaN values."""
+    amax = x.abs().amax(dim=-1, keepdim=True).float()
+    finite = torch.isfinite(amax)
+    exponent = torch.where(finite, torch.frexp(amax).exponent, 0)
+    # x / s = x * 2 ** (8 - e) and s = 2 ** (e - 8), each in two exact halves: one power of two
+    # leaves float32's normal range for the smallest rows (and 0 * inf made NaN of their zeros).
+    # A non-finite row is multiplied by NaN: the cast saturates inf to 448, which would hide it.
+    k = SCALE_EXPONENT_OFFSET - exponent
+    first = torch.where(finite, _pow2(k // 2), torch.nan)
+    scaled = x.to(torch.float32, copy=True).mul_(first).mul_(_pow2(k - k // 2))
+    limit = torch.where(exponent >= TOP_EXPONENT, TOP_LIMIT, torch.inf)
+    scaled = scaled.clamp_(-limit, limit)
+    e = exponent - SCALE_EXPONENT_OFFSET
+    scale = torch.where(amax > 0, _pow2(e // 2) * _pow2(e - e // 2), 0.0)
+    scale = torch.where(finite, scale, torch.nan).squeeze(-1)
+    return scaled.to(torch.float8_e4m3fn), scale
+
+
+def quantize(
+    x: torch.Tensor, what: str, pool: Executor | None = None
+) -> tuple[np.ndarray, np.ndarray]:
+    """x [P, ..., H] on the CPU as (e4m3 bits uint8 [P, ..., H], scales float32 [P, ...]): the
+    bytes `quantize_rows` gives, in blocks of rows, on `pool`'s threads when given (every step
+    releases the GIL). Raises ValueError, naming `what` and the first row, if x holds an inf or
+    NaN: an FP8 store keeps finite values only."""
     if x.ndim < 2:
         raise ValueError(f"{what}: expected rows [P, ..., H], got shape {tuple(x.shape)}")
     width = x.shape[-1]
     rows = x.reshape(-1, width)
     values = torch.empty(rows.shape, dtype=torch.float8_e4m3fn)
     scales = np.empty(len(rows), np.float32)
-    step = max(1, QUANT_BLOCK_BYTES // (4 * max(1, width)))
-    block = torch.empty((min(step, len(rows)), width), dtype=torch.float32)
-    magnitude = np.empty(block.shape, np.float32)
-    for lo in range(0, len(rows), step):
-        n = len(rows[lo : lo + step])
-        tmp, tmp_np = block[:n], block[:n].numpy()
-        tmp.copy_(rows[lo : lo + n])
-        amax = np.abs(tmp_np, out=magnitude[:n]).max(axis=1)  # NaN and inf stay non-finite
-        if not np.isfinite(amax).all():
-            first = lo + int(np.flatnonzero(~np.isfinite(amax))[0])
-            row = tuple(int(r) for r in np.unravel_index(first, x.shape[:-1]))
-            raise ValueError(
-                f"{what}: non-finite value in row {row}; an FP8 store keeps finite values only"
-            )
-        exponent = np.frexp(amax)[1] - SCALE_EXPONENT_OFFSET
-        scale = np.where(amax > 0, np.ldexp(np.float32(1), exponent), np.float32(0))
-        # x / s as x * (1 / s): exact, s being a power of two
-        np.multiply(tmp_np, np.ldexp(np.float32(1), -exponent)[:, None], out=tmp_np)
-        values[lo : lo + n] = tmp  # rounds to nearest even
-        scales[lo : lo + n] = scale
+    step = max(1, BLOCK_BYTES // (2 * max(1, width)))
+    spans = [(lo, min(lo + step, len(rows))) for lo in range(0, len(rows), step)]
+
+    def block(span: tuple[int, int]) -> int | None:
+        lo, hi = span
+        bad = _quantize_block(rows[lo:hi], values[lo:hi], scales[lo:hi])
+        return None if bad is None else lo + bad
+
+    firsts = map(block, spans) if pool is None else pool.map(block, spans)
+    bad = [b for b in firsts if b is not None]
+    if bad:
+        row = tuple(int(r) for r in np.unravel_index(bad[0], x.shape[:-1]))
+        raise ValueError(
+            f"{what}: non-finite value in row {row}; an FP8 store keeps finite values only"
+        )
     return values.view(torch.uint8).numpy().reshape(x.shape), scales.reshape(x.shape[:-1])
+
+
+def _quantize_block(rows: torch.Tensor, values: torch.Tensor, scales: np.ndarray) -> int | None:
+    """Quantize `rows` into `values` (e4m3) and `scales`; the first non-finite row, if any.
+
+    bf16 rows take a fast path with the same result: the max magnitude from the bits (numpy,
+    ~10 GB/s a core), then one bf16 multiply by a power of two (exact) and the cast. Rows the
+    fast path cannot take (float32, the smallest or the top binade) go through quantize_rows."""
+    if rows.dtype == torch.bfloat16:
+        magnitude = np.bitwise_and(rows.view(torch.int16).numpy(), 0x7FFF).max(axis=1)
+    else:
+        magnitude = rows.float().abs().amax(dim=1).numpy()
+    amax = _as_float(magnitude, rows.dtype)
+    finite = np.isfinite(amax)
+    if not finite.all():
+        return int(np.flatnonzero(~finite)[0])
+    exponent = np.frexp(amax)[1]
+    k = SCALE_EXPONENT_OFFSET - exponent
+    if rows.dtype == torch.bfloat16 and exponent.max() < TOP_EXPONENT and k.max() <= 126:
+        factor = torch.from_numpy(np.ldexp(np.float32(1), k)).to(torch.bfloat16)
+        values.copy_(rows * factor.unsqueeze(1))
+    else:
+        values.copy_(quantize_rows(rows)[0])
+    scales[:] = np.where(amax > 0, np.ldexp(np.float32(1), exponent - SCALE_EXPONENT_OFFSET), 0)
+    return None
+
+
+def _as_float(magnitude: np.ndarray, dtype: torch.dtype) -> np.ndarray:
+    """Per-row max magnitude as float32 (bf16 bits widened: bf16 is float32's top half)."""
+    if dtype != torch.bfloat16:
+        return magnitude.astype(np.float32)
+    return (magnitude.astype(np.int32) << 16).view(np.float32)
 
 
 def dequantize(
@@ -70,11 +150,38 @@ def dequantize(
 ) -> torch.Tensor:
     """Stored rows (e4m3 bits [..., H], scales [...]) as `dtype` values: q * s (exact in
     float32), then cast."""
-    q = torch.as_tensor(np.ascontiguousarray(bits)).view(torch.float8_e4m3fn)
+    q = as_float8(bits)
     s = torch.as_tensor(np.ascontiguousarray(scales), dtype=torch.float32)
     return (q.to(torch.float32) * s.unsqueeze(-1)).to(dtype)
 
 
-def as_float8(bits: np.ndarray) -> torch.Tensor:
+def as_float8(bits: np.ndarray | torch.Tensor) -> torch.Tensor:
     """Stored e4m3 bits as a torch float8_e4m3fn tensor (a view, no copy)."""
+    if isinstance(bits, torch.Tensor):
+        return bits if bits.dtype == torch.float8_e4m3fn else bits.view(torch.float8_e4m3fn)
     return torch.from_numpy(np.ascontiguousarray(bits)).view(torch.float8_e4m3fn)
+
+
+# e4m3fn's magnitudes by their 7 low bits (NaN at 0x7F)
+_E4M3_MAGNITUDES = torch.arange(128, dtype=torch.uint8).view(torch.float8_e4m3fn).float().numpy()
+
+
+def invalid_rows(
+    bits: np.ndarray, scales: np.ndarray, block_bytes: int = 1 << 20
+) -> tuple[np.ndarray, np.ndarray]:
+    """Per row (axis 0) of stored FP8 values (bits uint8 [P, ..., H], scales [P, ...]):
+    (a value is NaN or dequantizes beyond float32's range, a scale is not 0 or a finite
+    positive power of two). Scans the bits in blocks of rows (a small temporary)."""
+    p = len(bits)
+    bits = bits.reshape(p, -1, bits.shape[-1])
+    scale = np.asarray(scales, np.float32).reshape(p, -1)
+    with np.errstate(invalid="ignore"):
+        mantissa = np.frexp(scale)[0]
+    bad_scale = ~np.isfinite(scale) | (scale < 0) | ((scale > 0) & (mantissa != 0.5))
+    top = np.empty(scale.shape, np.uint8)  # each row's largest magnitude, as its low 7 bits
+    step = max(1, block_bytes // max(1, bits[0].nbytes))
+    for lo in range(0, p, step):  # e4m3 magnitudes order like their bits
+        np.bitwise_and(bits[lo : lo + step], 0x7F).max(axis=2, out=top[lo : lo + step])
+    overflow = _E4M3_MAGNITUDES[top].astype(np.float64) * scale >= 2.0**128
+    bad_value = (top == E4M3_NAN) | (overflow & ~bad_scale)
+    return bad_value.any(axis=1), bad_scale.any(axis=1)

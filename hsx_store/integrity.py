@@ -41,7 +41,7 @@ from hsx_store.format import (
     plan_digest,
     stored_arrays,
 )
-from hsx_store.fp8 import FP8_DTYPE, scale_name
+from hsx_store.fp8 import FP8_DTYPE, invalid_rows, scale_name
 from hsx_store.location import StoreAccessError, describe_failure
 
 CHECKS = (
@@ -728,9 +728,10 @@ def row_flags(
 def fp8_row_flags(
     values: zarr.Array, scales: zarr.Array, start: int, stop: int, block_bytes: int = BLOCK_BYTES
 ) -> tuple[np.ndarray, np.ndarray]:
-    """row_flags of an FP8 hidden array: a row is non-finite where an e4m3 value is NaN (bits
-    x111_1111) or its scale is not 0 or a finite positive power of two, and zero where its
-    scale is 0 or every value is +-0 (the dequantized row is all zero)."""
+    """row_flags of an FP8 hidden array: a row is non-finite where an e4m3 value is NaN or
+    dequantizes beyond float32's range, or its scale is not 0 or a finite positive power of two
+    (hsx_store/fp8.py `invalid_rows`); zero where its scale is 0 or every value is +-0 (the
+    dequantized row is all zero)."""
     chunk = values.chunks[0]
     step = max(chunk, block_bytes // _row_bytes(values) // chunk * chunk)
     nonfinite = np.zeros(stop - start, bool)
@@ -739,11 +740,8 @@ def fp8_row_flags(
         hi = min(stop, lo + step)
         bits = np.asarray(values[lo:hi]).reshape(hi - lo, -1, values.shape[-1])
         scale = np.asarray(scales[lo:hi], np.float32).reshape(hi - lo, -1)
-        with np.errstate(invalid="ignore"):
-            mantissa = np.frexp(scale)[0]
-        bad_scale = ~np.isfinite(scale) | (scale < 0) | ((scale > 0) & (mantissa != 0.5))
-        nan = ((bits & 0x7F) == 0x7F).any(axis=2)
-        nonfinite[lo - start : hi - start] = (nan | bad_scale).any(axis=1)
+        bad_value, bad_scale = invalid_rows(bits, scale)
+        nonfinite[lo - start : hi - start] = bad_value | bad_scale
         zero_layer = (scale == 0) | ~(bits & 0x7F).any(axis=2)
         zero[lo - start : hi - start] = zero_layer.all(axis=1)
     return nonfinite, zero

@@ -19,13 +19,15 @@ from __future__ import annotations
 
 import itertools
 import logging
+import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from patches.dump_files import DUMP_FORMAT, DUMP_FORMAT_VERSION, LAYER_CONVENTION
+from hsx_store.fp8 import quantize_rows, scale_name
+from patches.dump_files import DUMP_FORMAT, DUMP_FORMAT_VERSION, LAYER_CONVENTION, TensorSpecs
 from patches.dump_writer import DumpWriter, PendingDump
 from patches.settings import META_INFO_KEY, CaptureSettings
 
@@ -135,9 +137,17 @@ class CaptureSession:
             return None
         rows = slice(row0, row0 + n)
         n_aux, hidden = layout["num_aux"], layout["hidden_size"]
-        dump.pending.fill("aux_hidden_states", start, aux[rows].view(n, n_aux, hidden))
-        dump.pending.fill("final_hidden_states", start, final[rows])
-        dump.pending.fill("prenorm_hidden_states", start, prenorm[rows])
+        states = {
+            "aux_hidden_states": aux[rows].view(n, n_aux, hidden),
+            "final_hidden_states": final[rows],
+            "prenorm_hidden_states": prenorm[rows],
+        }
+        for name, state in states.items():
+            if self.settings.quantize:
+                keys = (name, scale_name(name))
+                dump.pending.fill_converted(keys, start, state, quantize_rows)
+            else:
+                dump.pending.fill(name, start, state)
         dump.pending.fill("input_ids", start, forward_batch.input_ids[rows].to(torch.int64))
         dump.pending.fill("positions", start, forward_batch.positions[rows].to(torch.int64))
         dump.covered[start : start + n] = True
@@ -151,14 +161,6 @@ class CaptureSession:
         if self.writer is None:
             self.writer = self._make_writer(layout)
         index = next(self._counter)
-        hidden, dtype = layout["hidden_size"], layout["torch_dtype"]
-        tensors = {  # widest dtype first: every tensor then starts aligned to its itemsize
-            "input_ids": ((prompt_len,), torch.int64),
-            "positions": ((prompt_len,), torch.int64),
-            "aux_hidden_states": ((prompt_len, layout["num_aux"], hidden), dtype),
-            "final_hidden_states": ((prompt_len, hidden), dtype),
-            "prenorm_hidden_states": ((prompt_len, hidden), dtype),
-        }
         meta = {
             "format": DUMP_FORMAT,
             "version": DUMP_FORMAT_VERSION,
@@ -166,10 +168,11 @@ class CaptureSession:
             "index": index,  # this DP rank's counter
             "dp_rank": self.rank.dp_rank,
             "num_tokens": prompt_len,
-            **{k: v for k, v in layout.items() if k not in ("torch_dtype", "itemsize")},
+            "quantized": self.settings.quantize,  # None: the hidden states as served
+            **{k: v for k, v in layout.items() if k != "torch_dtype"},
         }
         dump = _OpenDump(
-            pending=self.writer.open(f"req_{index}", tensors, meta),
+            pending=self.writer.open(f"req_{index}", self._tensors(prompt_len, layout), meta),
             index=index,
             prompt_len=prompt_len,
             covered=torch.zeros(prompt_len, dtype=torch.bool),
@@ -177,13 +180,28 @@ class CaptureSession:
         self._open[rid] = dump
         return dump
 
+    def _tensors(self, prompt_len: int, layout: dict[str, Any]) -> TensorSpecs:
+        """A dump's tensors, widest dtype first: every tensor then starts aligned to its
+        itemsize. Quantized: e4m3 values and a float32 scale per row (hsx_store/fp8.py)."""
+        hidden, dtype = layout["hidden_size"], layout["torch_dtype"]
+        states = {
+            "aux_hidden_states": (prompt_len, layout["num_aux"]),
+            "final_hidden_states": (prompt_len,),
+            "prenorm_hidden_states": (prompt_len,),
+        }
+        ids = {name: ((prompt_len,), torch.int64) for name in ("input_ids", "positions")}
+        if not self.settings.quantize:
+            return ids | {name: ((*rows, hidden), dtype) for name, rows in states.items()}
+        scales = {scale_name(name): (rows, torch.float32) for name, rows in states.items()}
+        values = {name: ((*rows, hidden), torch.float8_e4m3fn) for name, rows in states.items()}
+        return ids | scales | values
+
     def _make_writer(self, layout: dict[str, Any]) -> DumpWriter:
         assert self.settings.dump_dir is not None
         region_bytes = 0
-        if self.settings.max_tokens:  # ids + positions (int64), then the hidden states
-            states = layout["num_aux"] + len(FINAL_STATES)
-            row = 16 + states * layout["hidden_size"] * layout["itemsize"]
-            region_bytes = self.settings.max_tokens * row
+        if self.settings.max_tokens:  # the regions hold the longest prompt's dump
+            tensors = self._tensors(self.settings.max_tokens, layout)
+            region_bytes = sum(math.prod(shape) * d.itemsize for shape, d in tensors.values())
         return DumpWriter(
             self.rank.dump_root(self.settings.dump_dir),
             self.settings.max_pending_bytes,
@@ -215,7 +233,6 @@ class CaptureSession:
                 "hidden_size": hidden,
                 "dtype": str(final.dtype).removeprefix("torch."),
                 "torch_dtype": final.dtype,
-                "itemsize": final.dtype.itemsize,
                 "final_states": FINAL_STATES,
                 "architecture": type(runner.model).__name__,
             }

@@ -28,7 +28,8 @@ TensorSpecs = dict[str, tuple[tuple[int, ...], torch.dtype]]  # name -> (shape, 
 
 # What a dump's meta.json says about itself; the cluster plans and checks against the same words.
 DUMP_FORMAT = "hidden-capture-dump"
-DUMP_FORMAT_VERSION = 1
+# 2: meta "quantized" ("fp8_e4m3": hidden states as e4m3 values plus `<name>_scale` tensors)
+DUMP_FORMAT_VERSION = 2
 LAYER_CONVENTION = (
     "aux slot j is the residual stream entering decoder layer layer_ids[j], "
     "i.e. HF transformers output_hidden_states[layer_ids[j]]"

@@ -26,6 +26,7 @@ import threading
 import time
 import uuid
 from collections import deque
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -111,28 +112,57 @@ class PendingDump:
         A CUDA source is copied on a side stream that first waits for the current stream, so the
         rows are complete when the copy starts and the forward stream never waits for the copy.
         """
+        self._fill((key,), row_start, src, lambda rows: (rows,))
+
+    def fill_converted(
+        self,
+        keys: tuple[str, ...],
+        row_start: int,
+        src: torch.Tensor,
+        convert: Callable[[torch.Tensor], tuple[torch.Tensor, ...]],
+    ) -> None:
+        """Fill rows ``[row_start, row_start + len(src))`` of ``views[k]`` for each of ``keys``
+        with ``convert(src)`` (e.g. FP8 values and their scales). A CUDA source is converted on
+        the side stream too: the forward stream never waits, and only converted bytes cross to
+        the host. ``convert`` must not synchronize with the host."""
+        self._fill(keys, row_start, src, convert)
+
+    def _fill(
+        self,
+        keys: tuple[str, ...],
+        row_start: int,
+        src: torch.Tensor,
+        convert: Callable[[torch.Tensor], tuple[torch.Tensor, ...]],
+    ) -> None:
         if self._state != "open":
             raise RuntimeError(f"fill() on a {self._state} dump")
-        dst = self.views[key][row_start : row_start + src.shape[0]]
-        if dst.shape != src.shape or dst.dtype != src.dtype:
-            raise ValueError(
-                f"{key}: rows from {row_start}: {tuple(dst.shape)} {dst.dtype} "
-                f"<- {tuple(src.shape)} {src.dtype}"
-            )
-        self._filled[key][row_start : row_start + src.shape[0]] = True
-        if src.device.type != "cuda":
-            dst.copy_(src)
-            return
-        if not self._writer.pin:
-            self._writer._warn_unpinned()
-        side = self._writer._side_stream(src.device)
-        side.wait_stream(torch.cuda.current_stream(src.device))
-        with torch.cuda.stream(side):
-            dst.copy_(src, non_blocking=True)
-            ev = torch.cuda.Event(blocking=True)  # the publisher sleeps, not spins, on it
-            ev.record(side)
-        src.record_stream(side)  # the caching allocator must not reuse src before the copy ends
-        self._events.append(ev)
+        rows = slice(row_start, row_start + src.shape[0])
+        dsts = [self.views[k][rows] for k in keys]
+        cuda = src.device.type == "cuda"
+        if cuda:
+            if not self._writer.pin:
+                self._writer._warn_unpinned()
+            side = self._writer._side_stream(src.device)
+            side.wait_stream(torch.cuda.current_stream(src.device))
+        with torch.cuda.stream(side) if cuda else contextlib.nullcontext():
+            outs = convert(src)
+            for key, dst, out in zip(keys, dsts, outs, strict=True):
+                if dst.shape != out.shape or dst.dtype != out.dtype:
+                    raise ValueError(
+                        f"{key}: rows from {row_start}: {tuple(dst.shape)} {dst.dtype} "
+                        f"<- {tuple(out.shape)} {out.dtype}"
+                    )
+            for key, dst, out in zip(keys, dsts, outs, strict=True):
+                self._filled[key][rows] = True
+                dst.copy_(out, non_blocking=cuda)
+            if cuda:
+                ev = torch.cuda.Event(blocking=True)  # the publisher sleeps, not spins, on it
+                ev.record(side)
+        if cuda:
+            # The caching allocator must not reuse src before the side stream is done with it;
+            # convert's outputs were allocated on the side stream, which orders their reuse.
+            src.record_stream(side)
+            self._events.append(ev)
 
     def publish(self, extra_meta: dict | None = None) -> None:
         """Hand the dump to the background thread, which makes it visible at ``path`` atomically."""

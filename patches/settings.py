@@ -15,6 +15,9 @@ ENV_RID_PREFIX = "HIDDEN_CAPTURE_RID_PREFIX"
 ENV_MAX_PENDING_BYTES = "HIDDEN_CAPTURE_MAX_PENDING_BYTES"
 ENV_MLA_CPU_FIX = "HIDDEN_CAPTURE_MLA_CPU_FIX"
 ENV_MAX_TOKENS = "HIDDEN_CAPTURE_MAX_TOKENS"
+ENV_QUANTIZE = "HIDDEN_CAPTURE_QUANTIZE"
+
+QUANTIZE_FORMATS = ("fp8_e4m3",)  # hsx_store/fp8.py: the store's FP8 rows
 
 DEFAULT_RID_PREFIX = "hsx-"
 DEFAULT_MAX_PENDING_BYTES = 2 << 30
@@ -32,6 +35,15 @@ class CaptureSettings:
     # The longest prompt expected: dump regions are sized for it at the first capture (the
     # calibration probe) instead of growing on real requests. None: grow as needed.
     max_tokens: int | None = None
+    # "fp8_e4m3": dumps hold the hidden states quantized as an FP8 store keeps them (on a GPU,
+    # on the side stream that copies them out). None: as served.
+    quantize: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.quantize is not None and self.quantize not in QUANTIZE_FORMATS:
+            raise ValueError(
+                f"{ENV_QUANTIZE}={self.quantize!r}: expected one of {', '.join(QUANTIZE_FORMATS)}"
+            )
 
     @property
     def capture_enabled(self) -> bool:
@@ -50,6 +62,7 @@ class CaptureSettings:
             max_pending_bytes=int(env.get(ENV_MAX_PENDING_BYTES, DEFAULT_MAX_PENDING_BYTES)),
             mla_cpu_fix=env.get(ENV_MLA_CPU_FIX, "1") != "0",
             max_tokens=int(env[ENV_MAX_TOKENS]) if env.get(ENV_MAX_TOKENS) else None,
+            quantize=env.get(ENV_QUANTIZE) or None,
         )
 
     def to_env(self) -> dict[str, str]:
@@ -63,4 +76,6 @@ class CaptureSettings:
             env[ENV_DUMP_DIR] = str(self.dump_dir)
         if self.max_tokens is not None:
             env[ENV_MAX_TOKENS] = str(self.max_tokens)
+        if self.quantize is not None:
+            env[ENV_QUANTIZE] = self.quantize
         return env

@@ -1,12 +1,19 @@
-"""The value check of check_dump: the first token row holding an inf or NaN, scanned blockwise."""
+"""check_dump's value checks: the first token row holding an inf or NaN (scanned blockwise), and
+dumps the server quantized for an FP8 store (NaN bits, scales that are not powers of two)."""
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
 from actors import dump_checks
-from actors.dump_checks import _first_non_finite_row
+from actors.calibration import Calibration
+from actors.dump_checks import DumpMismatch, _first_non_finite_row, check_dump
+from hsx_store.format import Manifest
+from hsx_store.fp8 import quantize_rows, scale_name
+from tests.helpers import synthetic
+from tests.helpers.synthetic import NUM_AUX, H
 
 
 def whole_tensor_answer(x: torch.Tensor) -> int | None:
@@ -40,3 +47,54 @@ def test_every_bf16_bit_pattern() -> None:
 
 def test_empty() -> None:
     assert _first_non_finite_row(torch.empty(0, 3, 4, dtype=torch.bfloat16)) is None
+
+
+def fp8_dump(p: int = 4) -> tuple[dict[str, torch.Tensor], dict, Manifest]:
+    """A dump as a quantizing server publishes it, for the synthetic FP8 store's manifest."""
+    m = synthetic.manifest("fp8_e4m3")
+    g = torch.Generator().manual_seed(0)
+    aux, final = (torch.randn(p, *rows, generator=g).bfloat16() for rows in ((NUM_AUX, H), (H,)))
+    tensors = {"input_ids": torch.arange(p)}
+    for name, x in (("aux_hidden_states", aux), ("final_hidden_states", final)):
+        tensors[name], tensors[scale_name(name)] = quantize_rows(x)
+    meta = {"rid": "r", "index": 7, "dp_rank": None, "layer_ids": m.layer_ids}
+    return tensors, meta | {"quantized": "fp8_e4m3"}, m
+
+
+def check(tensors: dict[str, torch.Tensor], meta: dict, m: Manifest) -> None:
+    check_dump(
+        tensors,
+        meta,
+        rid="r",
+        input_ids=np.arange(len(tensors["input_ids"])),
+        cached_tokens=0,
+        manifest=m,
+        calibration=Calibration(offset=0, probe_tokens=5, seconds=0.1),
+    )
+
+
+def test_a_quantized_dump_passes_and_its_nan_bits_and_bad_scales_are_refused() -> None:
+    tensors, meta, m = fp8_dump()
+    check(tensors, meta, m)  # valid
+    bad = dict(tensors, final_hidden_states=tensors["final_hidden_states"].clone())
+    bad["final_hidden_states"].view(torch.uint8)[2, 5] = 0x7F  # e4m3 NaN
+    with pytest.raises(DumpMismatch, match=r"final_hidden_states has NaN .* from token 2"):
+        check(bad, meta, m)
+    bad = dict(tensors, aux_hidden_states_scale=tensors["aux_hidden_states_scale"].clone())
+    bad["aux_hidden_states_scale"][1, 2] = 3.0
+    with pytest.raises(DumpMismatch, match="aux_hidden_states_scale at token 1 is not 0 or a"):
+        check(bad, meta, m)
+    no_scale = {k: v for k, v in tensors.items() if k != "final_hidden_states_scale"}
+    with pytest.raises(DumpMismatch, match="the dump has no final_hidden_states_scale"):
+        check(no_scale, meta, m)
+
+
+def test_quantized_rows_for_a_bf16_store_and_unquantized_rows_of_another_dtype_fail() -> None:
+    tensors, meta, m = fp8_dump()
+    with pytest.raises(DumpMismatch, match="quantized as fp8_e4m3, the store keeps bfloat16"):
+        check(tensors, meta, synthetic.manifest("bfloat16"))
+    served = {"input_ids": tensors["input_ids"]}
+    served["aux_hidden_states"] = torch.zeros(4, NUM_AUX, H, dtype=torch.bfloat16)
+    served["final_hidden_states"] = torch.zeros(4, H, dtype=torch.float32)
+    with pytest.raises(DumpMismatch, match=r"final_hidden_states is torch\.float32, expected"):
+        check(served, meta | {"quantized": None}, m)  # an FP8 store quantizes bf16 rows

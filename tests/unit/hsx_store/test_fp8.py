@@ -1,8 +1,12 @@
-"""FP8 (e4m3) storage: quantization bounds, zero and non-finite rows, an FP8 store written by
-the shard writer and read back (dequantized and raw), verified, and exported."""
+"""FP8 (e4m3) storage: quantization bounds over the whole bf16 range, the CPU quantizer against
+the definition the server runs, zero and non-finite rows, an FP8 store written by the shard
+writer (from bf16 rows and from rows the server quantized) and read back (dequantized and raw),
+verified, and exported."""
 
 from __future__ import annotations
 
+import contextlib
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
@@ -11,9 +15,10 @@ import torch
 from safetensors.torch import load_file
 
 from actors.shard_writer import ShardWriter
+from hsx_store import fp8
 from hsx_store.export import export, read_exported, sample_path
 from hsx_store.format import Store
-from hsx_store.fp8 import dequantize, quantize
+from hsx_store.fp8 import Fp8Rows, dequantize, invalid_rows, quantize, quantize_rows
 from hsx_store.integrity import verify_store
 from hsx_store.reader import HiddenStatesDataset, HiddenStatesIterable
 from tests.helpers.synthetic import LENGTHS, NUM_AUX, H, new_store
@@ -49,6 +54,78 @@ def test_round_trip_error_is_bounded_and_scales_are_powers_of_two() -> None:
     assert ((wrong - xf).norm(dim=1) / xf.norm(dim=1)).max() > MAX_ROW_ERROR
 
 
+def every_finite_bf16() -> torch.Tensor:
+    """Every finite bf16 bit pattern, 256 to a row (rows of ~one binade each)."""
+    x = torch.arange(-(1 << 15), 1 << 15, dtype=torch.int32).to(torch.int16).view(torch.bfloat16)
+    return x[torch.isfinite(x)].reshape(-1, 256)
+
+
+def edge_rows() -> torch.Tensor:
+    """Finite rows at the ends of bf16's range."""
+    bf16 = torch.finfo(torch.bfloat16)
+    x = torch.zeros(7, 16)
+    x[0, :3] = torch.tensor([1e-37, -3e-38, 1e-39])  # max ~2**-123: 2**(8 - e) leaves float32
+    x[1, :3] = torch.tensor([bf16.max, -bf16.max, 1.0])  # the top binade: 256 * 2**120 is inf
+    x[2, 0] = bf16.smallest_normal * 2**-7  # bf16's smallest subnormal, alone
+    x[3] = -0.0
+    x[4, :2] = torch.tensor([3e38, 2**-100])
+    x[5] = torch.randn(16, generator=torch.Generator().manual_seed(1)) * 2**-128  # subnormals
+    x[6, :2] = torch.tensor([2**127, -(2**127) * 1.9375])  # the top binade's rounding edge
+    return x.to(torch.bfloat16)
+
+
+@pytest.mark.parametrize("case", ["every finite bf16", "edges", "random"])
+def test_every_finite_row_round_trips_within_the_bound(case: str) -> None:
+    x = {"every finite bf16": every_finite_bf16, "edges": edge_rows, "random": lambda: rows(512)}
+    x = x[case]()
+    bits, scales = quantize(x, "x")
+    y, xf = dequantize(bits, scales, torch.float32), x.float()
+    assert torch.isfinite(y).all() and torch.isfinite(dequantize(bits, scales)).all()
+    bound = torch.maximum(MAX_VALUE_ERROR * xf.abs(), torch.from_numpy(scales)[:, None] * 2**-10)
+    assert ((y - xf).abs() <= bound).all()
+    assert not any(flags.any() for flags in invalid_rows(bits, scales))
+
+
+@pytest.mark.parametrize("threads", [0, 2])
+def test_the_cpu_quantizer_gives_the_bytes_of_the_definition(
+    monkeypatch: pytest.MonkeyPatch, threads: int
+) -> None:
+    """quantize (numpy magnitudes, one bf16 multiply, blocks on threads) against quantize_rows
+    (the tensor ops the capture plugin runs on the GPU), on bf16 and float32 rows."""
+    monkeypatch.setattr(fp8, "BLOCK_BYTES", 4096)  # many blocks
+    x = torch.cat([every_finite_bf16(), edge_rows().repeat(1, 16), rows(64, 256)])
+    for rows_in in (x, x.float()):
+        with ThreadPoolExecutor(threads) if threads else contextlib.nullcontext() as pool:
+            bits, scales = quantize(rows_in, "x", pool)
+        values, want_scales = quantize_rows(rows_in)
+        assert np.array_equal(bits, values.view(torch.uint8).numpy())
+        assert np.array_equal(scales, want_scales.numpy())
+
+
+def test_the_definition_marks_non_finite_rows_nan() -> None:
+    """The server cannot raise: a row holding inf or NaN gets a NaN scale and NaN values (the
+    cast saturates inf to 448, which would hide it)."""
+    x = rows(4, 16)
+    x[1, 3], x[2, 0] = float("inf"), float("nan")
+    values, scales = quantize_rows(x)
+    assert scales[[1, 2]].isnan().all() and not scales[[0, 3]].isnan().any()
+    bad_values, bad_scales = invalid_rows(values.view(torch.uint8).numpy(), scales.numpy())
+    assert bad_values.tolist() == [False, True, True, False] == bad_scales.tolist()
+
+
+def test_invalid_rows_names_nan_values_bad_scales_and_overflow() -> None:
+    bits, scales = quantize(rows(6, 16), "x")
+    assert not any(flags.any() for flags in invalid_rows(bits, scales))
+    bits[1, 5] = 0xFF  # -NaN
+    scales[2] = 3.0  # not a power of two
+    scales[3] = -0.5
+    bits[4, 0], scales[4] = 0x78, 2.0**120  # 256 * 2**120 = inf once dequantized
+    bits[5, 0], scales[5] = 0x77, 2.0**120  # 240 * 2**120: the largest the quantizer stores
+    bad_values, bad_scales = invalid_rows(bits, scales)
+    assert bad_values.tolist() == [False, True, False, False, True, False]
+    assert bad_scales.tolist() == [False, False, True, True, False, False]
+
+
 def test_zero_rows_store_scale_zero_and_non_finite_rows_are_refused() -> None:
     x = rows(6).reshape(3, 2, 1024).clone()
     x[1, 0] = 0
@@ -67,19 +144,45 @@ def bf16_rows(i: int) -> tuple[torch.Tensor, torch.Tensor]:
     return aux, rows(LENGTHS[i], H, seed=200 + i)
 
 
-def fp8_store(path: Path) -> Store:
-    """An FP8 store with every shard written and committed (sample 5 failed)."""
+def fp8_store(
+    path: Path, server_quantized: bool = False, given_back: dict[int, bool] | None = None
+) -> Store:
+    """An FP8 store with every shard written and committed (sample 5 failed), from bf16 rows
+    or from the same rows quantized as the server does. `given_back`: for each sample, whether
+    the writer had given its memory back when write_sample returned."""
     store = new_store(path, dtype="fp8_e4m3", codec={"name": "none"})
+    released: set[int] = set()
     for k in range(len(store.shards)):
         sh = store.shards[k]
         writer = ShardWriter(store, sh)
         for i in range(sh.sample_begin, sh.sample_end):
             if i == 5:
                 writer.mark_failed(i, "test")
-            else:
-                writer.write_sample(i, *bf16_rows(i))
+                continue
+            states = bf16_rows(i)
+            if server_quantized:
+                states = tuple(Fp8Rows(*quantize_rows(x)) for x in states)
+            writer.write_sample(i, *states, on_release=lambda i=i: released.add(i))
+            if given_back is not None:
+                given_back[i] = i in released
         writer.commit({})
+    assert released == {i for i in range(len(LENGTHS)) if i != 5}
     return Store.open(path)
+
+
+def test_rows_the_server_quantized_are_stored_as_they_are(tmp_path: Path) -> None:
+    """The same rows quantized by the writer (bf16 in) or by the server's definition (Fp8Rows
+    in) give the same bytes. The server's rows are written from its memory, held until their
+    chunks are written; bf16 rows are given back as soon as they are quantized."""
+    from_bf16: dict[int, bool] = {}
+    from_server: dict[int, bool] = {}
+    a = fp8_store(tmp_path / "a.zarr", given_back=from_bf16)
+    b = fp8_store(tmp_path / "b.zarr", server_quantized=True, given_back=from_server)
+    for name in ("aux_hidden_states", "final_hidden_states"):
+        for array in (name, name + "_scale"):
+            assert np.array_equal(a.group[array][:], b.group[array][:]), array
+    assert all(from_bf16.values())
+    assert not from_server[0]  # its chunk waits for samples 1 and 2: the dump is still lent
 
 
 def test_an_fp8_store_reads_back_dequantized_and_raw_verifies_and_exports(
@@ -133,10 +236,18 @@ def test_the_verifier_names_a_bad_scale_and_an_fp8_nan(tmp_path: Path) -> None:
     bits = np.asarray(g["aux_hidden_states"][rows6.start + 1])
     bits[1, 4] = 0x7F  # e4m3 NaN
     g["aux_hidden_states"][rows6.start + 1] = bits
+    # A valid scale and no NaN, but 256 * 2**120 dequantizes to inf (what the quantizer wrote
+    # before it saturated the top binade).
+    rows8 = store.sample_rows(8)
+    top = np.asarray(g["final_hidden_states"][rows8.start + 2])
+    top[0] = 0x78
+    g["final_hidden_states"][rows8.start + 2] = top
+    g["final_hidden_states_scale"][rows8.start + 2] = np.float32(2.0**120)
     report = verify_store(tmp_path / "s.zarr", say=lambda _: None)
     messages = [f.message for f in report.findings if f.check == "values"]
     assert any("sample 3 " in m and "final_hidden_states" in m and "token 1" in m for m in messages)
     assert any("sample 6 " in m and "aux_hidden_states" in m and "token 1" in m for m in messages)
+    assert any("sample 8 " in m and "final_hidden_states" in m and "token 2" in m for m in messages)
     assert not report.ok
 
 

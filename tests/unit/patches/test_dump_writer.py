@@ -20,6 +20,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file
 
+from hsx_store.fp8 import quantize, quantize_rows
 from patches import dump_files as df
 from patches import dump_writer as dw
 from patches import host_regions
@@ -387,6 +388,58 @@ def test_cuda_fill_waits_for_producer(shm_path: Path, cuda_device: torch.device)
     pd.publish()
     writer.close(timeout=60)
     assert torch.equal(read_dump(writer.root / "p")[0]["y"], y.cpu())
+
+
+def _quantized_round_trip(writer: DumpWriter, x: torch.Tensor) -> None:
+    """x [P, 3, H] through fill_converted with the server's quantizer, in two fragments (the
+    second first), against the CPU quantizer's bytes: the store's bytes either way."""
+    p, h = x.shape[0], x.shape[-1]
+    specs = {"s": ((p, 3), torch.float32), "v": ((p, 3, h), torch.float8_e4m3fn)}
+    pd = writer.open("q", specs, {})
+    half = p // 2
+    pd.fill_converted(("v", "s"), half, x[half:] * 1, quantize_rows)  # a temporary source
+    pd.fill_converted(("v", "s"), 0, x[:half], quantize_rows)
+    pd.publish()
+    writer.flush(timeout=60)
+    tensors, _ = read_dump(writer.root / "q")
+    bits, scales = quantize(x.cpu(), "x")
+    assert torch.equal(tensors["v"].view(torch.uint8), torch.from_numpy(bits))
+    assert torch.equal(tensors["s"], torch.from_numpy(scales))
+    bad = writer.open("bad", specs, {})
+    with pytest.raises(ValueError, match="v: rows from 0"):  # the wrong shape is refused
+        bad.fill_converted(("v", "s"), 0, x[:, :2], quantize_rows)
+    bad.abort()
+
+
+def _quantizer_rows(p: int, h: int) -> torch.Tensor:
+    """[p, 3, h] bf16 rows over ~12 decades, with bf16's largest and a subnormal-only row."""
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(p, 3, h, generator=g) * 10.0 ** torch.empty(p, 3, 1).uniform_(
+        -6, 6, generator=g
+    )
+    x[0, 0, :2] = torch.tensor([torch.finfo(torch.bfloat16).max, -1.0])
+    x[1, 1] = torch.randn(h, generator=g) * 2**-130
+    return x.to(torch.bfloat16)
+
+
+def test_fill_converted_quantizes_to_the_cpu_quantizers_bytes(writer: DumpWriter) -> None:
+    _quantized_round_trip(writer, _quantizer_rows(64, 96))
+
+
+def test_cuda_fill_converted_quantizes_on_the_side_stream_to_the_cpu_quantizers_bytes(
+    shm_path: Path, cuda_device: torch.device
+) -> None:
+    """On the GPU, behind a slow producer: the same bytes as the CPU quantizer."""
+    writer = DumpWriter(shm_path / "d", pool=0)
+    try:
+        x = _quantizer_rows(4096, 512).cuda()
+        a = torch.randn(4096, 4096, device="cuda", dtype=torch.bfloat16)
+        for _ in range(10):  # queued ahead on the current stream: the side stream must wait
+            a = (a @ a) * 1e-3
+        x = x + (a[:1, :1] * 0).to(x.dtype)  # produced after the matmuls
+        _quantized_round_trip(writer, x)
+    finally:
+        writer.close(timeout=60)
 
 
 @pytest.fixture(params=["fake", pytest.param("cuda", marks=pytest.mark.cuda)])
