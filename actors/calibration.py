@@ -39,6 +39,7 @@ class Calibration:
     # The DP rank that served the probe (None: the server has one). Counters are per DP rank:
     # the other ranks had captured nothing before the probe, and start at 0 after it.
     dp_rank: int | None = None
+    quantized: str | None = None  # the dumps' rows come quantized by the server ("fp8_e4m3")
 
     def precedes_probe(self, meta: dict) -> bool:
         """The dump was numbered at or before the probe on the probe's own rank: not one of
@@ -99,7 +100,11 @@ def calibrate(
     finally:
         release_dump(response.dump_path)
     return Calibration(
-        int(meta["index"]), len(server_ids), time.monotonic() - started, meta.get("dp_rank")
+        int(meta["index"]),
+        len(server_ids),
+        time.monotonic() - started,
+        meta.get("dp_rank"),
+        meta.get("quantized"),
     )
 
 

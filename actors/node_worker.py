@@ -215,6 +215,13 @@ class NodeWorker:
         fp8 = self.store.manifest.dtype == FP8_DTYPE
         return FP8_DTYPE if fp8 and self.job.store.fp8_quantizer == "server" else None
 
+    def _fp8_quantized_by(self) -> str | None:
+        """Who quantized this worker's rows of an FP8 store: "server" or "writer"."""
+        if self.store.manifest.dtype != FP8_DTYPE:
+            return None
+        quantized = self.calibration is not None and self.calibration.quantized
+        return "server" if quantized else "writer"
+
     def _tp_size(self, on_gpu: bool) -> int:
         """The server's TP size. Ray pins this worker to its GPU group (num_gpus), so the GPUs
         it sees, CUDA_VISIBLE_DEVICES inherited by the server, are exactly that group."""
@@ -450,6 +457,7 @@ class NodeWorker:
             "bytes_written": writer.bytes_written if writer else 0,
             "deferred": lease.deferred,
             "server_restarts": self.restarts,
+            "fp8_quantized_by": self._fp8_quantized_by(),
             "finished_at": round(time.time(), 3),  # wall clock: comparable across nodes
         }
 

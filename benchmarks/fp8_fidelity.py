@@ -6,6 +6,9 @@ for bit: the baseline) and one fp8_e4m3, and read back through the training read
 (a fresh set of prompts, the store order alternating): per token-layer row, the cosine and
 relative RMS error of the FP8 store's dequantized rows against the bf16 ones; the relative RMS
 error over all rows; and the bytes on disk of each store (every file, plan arrays included).
+The FP8 store is written twice: from the bf16 rows (the writer quantizes) and from a second
+server's dumps of the same prompts quantized in the server (one request at a time on each, so
+the same bf16 rows): both are compared, and must hold the same bytes.
 
 Targets (issue 12): min cosine >= 0.999, relative RMS error <= 3%, bytes <= 0.52 x bf16. The
 RESULT value is the median over rounds of the worst of the three, each normalized to its
@@ -21,7 +24,6 @@ import argparse
 import shutil
 import statistics
 import tempfile
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
@@ -30,8 +32,8 @@ import torch
 from actors.capture_client import generate_and_capture, wait_for_dump
 from actors.sglang_server import ServerSpec, SGLangServer
 from actors.shard_writer import ShardWriter
-from hsx_store.format import Store, create_store, make_manifest
-from hsx_store.fp8 import FP8_DTYPE
+from hsx_store.format import Store, create_store, make_manifest, stored_arrays
+from hsx_store.fp8 import FP8_DTYPE, Fp8Rows, scale_name
 from hsx_store.layers import expected_capture
 from hsx_store.reader import HiddenStatesIterable
 from patches.dump_files import read_dump, release_dump
@@ -45,21 +47,25 @@ RID_PREFIX = "hsx-bench-"
 
 
 def capture(server: SGLangServer, prompts: list[list[int]], tag: str) -> list[tuple]:
-    """(aux [P, n, H], final [P, H], pre-norm [P, H]) bf16 of each prompt, copied out of its
-    dump."""
-
-    def one(i: int) -> tuple[torch.Tensor, ...]:
-        path = wait_for_dump(
-            generate_and_capture(server, f"{RID_PREFIX}{tag}-{i}", input_ids=prompts[i]).dump_path
-        )
+    """(aux [P, n, H], final [P, H], pre-norm [P, H]) of each prompt, copied out of its dump:
+    bf16, or Fp8Rows where the server quantizes. One request at a time: every prompt is
+    prefilled alone, so two servers give the same bf16 rows."""
+    rows = []
+    for i, prompt in enumerate(prompts):
+        response = generate_and_capture(server, f"{RID_PREFIX}{tag}-{i}", input_ids=prompt)
+        path = wait_for_dump(response.dump_path)
         try:
-            tensors, _ = read_dump(path)
-            return tuple(tensors[name].clone() for name in HIDDEN)
+            tensors, meta = read_dump(path)
+            if meta.get("quantized"):
+                states = (
+                    Fp8Rows(tensors[n].clone(), tensors[scale_name(n)].clone()) for n in HIDDEN
+                )
+            else:
+                states = (tensors[name].clone() for name in HIDDEN)
+            rows.append(tuple(states))
         finally:
             release_dump(path)
-
-    with ThreadPoolExecutor(4) as pool:
-        return list(pool.map(one, range(len(prompts))))
+    return rows
 
 
 def write_store(url: Path, model: Path, dtype: str, prompts: list, rows: list) -> Store:
@@ -111,18 +117,23 @@ def main() -> None:
 
     model = ensure_models(args.models, ["llama-bench"])["llama-bench"]
     work = Path(tempfile.mkdtemp(prefix="fp8_fidelity-", dir="/dev/shm"))
-    settings = CaptureSettings(work / "dumps", RID_PREFIX, 1 << 28, mla_cpu_fix=True)
-    spec = ServerSpec(model_path=model, capture=settings, extra_args=["--dtype", "bfloat16"])
+
+    def server(tag: str, quantize: str | None) -> SGLangServer:
+        settings = CaptureSettings(work / tag, RID_PREFIX, 1 << 28, True, quantize=quantize)
+        spec = ServerSpec(model_path=model, capture=settings, extra_args=["--dtype", "bfloat16"])
+        return SGLangServer(spec, work / f"{tag}.log")
+
     results, layer_amax = [], None
     try:
-        with SGLangServer(spec, work / "server.log") as server:
+        with server("bf16", None) as plain, server("fp8", FP8_DTYPE) as quantizing:
             for r in range(args.rounds):
                 g = torch.Generator().manual_seed(r)
                 prompts = [
                     torch.randint(10, 1024, (args.length,), generator=g).tolist()
                     for _ in range(args.prompts)
                 ]
-                rows = capture(server, prompts, f"r{r}")
+                rows = capture(plain, prompts, f"r{r}")
+                served = capture(quantizing, prompts, f"r{r}")
                 if layer_amax is None:  # why a scale per layer: their magnitudes differ
                     aux, *finals = (torch.cat(states).float() for states in zip(*rows, strict=True))
                     layer_amax = [
@@ -132,11 +143,21 @@ def main() -> None:
                 urls = {d: work / f"r{r}-{d}.zarr" for d in ("bfloat16", FP8_DTYPE)}
                 for dtype in list(urls) if r % 2 == 0 else reversed(list(urls)):
                     write_store(urls[dtype], model, dtype, prompts, rows)
+                by_server = write_store(work / f"r{r}-s.zarr", model, FP8_DTYPE, prompts, served)
                 sizes = {d: disk_bytes(u) for d, u in urls.items()}
                 result = compare(urls[FP8_DTYPE], urls["bfloat16"])
                 result["bytes"] = sizes[FP8_DTYPE] / sizes["bfloat16"]
+                server_result = compare(work / f"r{r}-s.zarr", urls["bfloat16"])
+                result["server_min_cos"] = server_result["min_cos"]
+                result["server_error"] = server_result["error"]
+                result["same_bytes"] = all(
+                    np.array_equal(
+                        by_server.group[a.name][:], Store.open(urls[FP8_DTYPE]).group[a.name][:]
+                    )
+                    for a in stored_arrays(by_server.manifest)
+                )
                 results.append(result)
-                for u in urls.values():
+                for u in (*urls.values(), work / f"r{r}-s.zarr"):
                     shutil.rmtree(u)
     finally:
         shutil.rmtree(work, ignore_errors=True)
@@ -151,16 +172,22 @@ def main() -> None:
         ("error", "relative RMS error (all rows)"),
         ("max_row_error", "max relative RMS error of a row"),
         ("bytes", "bytes on disk, fp8 / bf16"),
+        ("server_min_cos", "server-quantized: min cosine"),
+        ("server_error", "server-quantized: relative RMS error"),
     ):
         values = [res[key] for res in results]
         rounds = " ".join(f"{v:.5f}" for v in values)
         print(f"  {label:36s} median {statistics.median(values):.5f}  (rounds: {rounds})")
-    per_round = [  # each round's worst target: >= 1 when all three are met
+    same = [res["same_bytes"] for res in results]
+    print(f"  server-quantized store holds the writer-quantized bytes: {same}")
+    per_round = [  # each round's worst target, both paths: >= 1 when all are met
         min(
-            (1 - MIN_COSINE) / max(1 - res["min_cos"], 1e-12),
-            MAX_ERROR / res["error"],
+            (1 - MIN_COSINE) / max(1 - min(res["min_cos"], res["server_min_cos"]), 1e-12),
+            MAX_ERROR / max(res["error"], res["server_error"]),
             MAX_BYTES / res["bytes"],
         )
+        if res["same_bytes"]
+        else 0.0
         for res in results
     ]
     value = statistics.median(per_round)

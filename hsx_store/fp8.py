@@ -28,8 +28,8 @@ SCALE_EXPONENT_OFFSET = 8
 # below 256 (the error stays under the bound, 2 ** -4 relative: 15 / 255).
 TOP_EXPONENT, TOP_LIMIT = 128, 240.0
 E4M3_NAN = 0x7F  # e4m3fn has no inf: |bits| == 0x7F is NaN
-# CPU blocks: this many bf16 bytes of rows at a time stay in a core's L2 cache.
-BLOCK_BYTES = 1 << 18
+# CPU blocks: bf16 bytes of rows quantized at once (a task of the caller's pool).
+BLOCK_BYTES = 1 << 20
 
 
 def scale_name(hidden: str) -> str:
@@ -113,34 +113,23 @@ def quantize(
 
 def _quantize_block(rows: torch.Tensor, values: torch.Tensor, scales: np.ndarray) -> int | None:
     """Quantize `rows` into `values` (e4m3) and `scales`; the first non-finite row, if any.
+    bf16 rows go through the numba kernel (hsx_store/fp8_cpu.py), the rows it leaves and
+    float32 rows through the definition."""
+    from hsx_store.fp8_cpu import quantize_bf16_rows  # numba: only where a CPU quantizes
 
-    bf16 rows take a fast path with the same result: the max magnitude from the bits (numpy,
-    ~10 GB/s a core), then one bf16 multiply by a power of two (exact) and the cast. Rows the
-    fast path cannot take (float32, the smallest or the top binade) go through quantize_rows."""
+    fallback = np.ones(len(rows), bool)
     if rows.dtype == torch.bfloat16:
-        magnitude = np.bitwise_and(rows.view(torch.int16).numpy(), 0x7FFF).max(axis=1)
-    else:
-        magnitude = rows.float().abs().amax(dim=1).numpy()
-    amax = _as_float(magnitude, rows.dtype)
-    finite = np.isfinite(amax)
-    if not finite.all():
-        return int(np.flatnonzero(~finite)[0])
-    exponent = np.frexp(amax)[1]
-    k = SCALE_EXPONENT_OFFSET - exponent
-    if rows.dtype == torch.bfloat16 and exponent.max() < TOP_EXPONENT and k.max() <= 126:
-        factor = torch.from_numpy(np.ldexp(np.float32(1), k)).to(torch.bfloat16)
-        values.copy_(rows * factor.unsqueeze(1))
-    else:
-        values.copy_(quantize_rows(rows)[0])
-    scales[:] = np.where(amax > 0, np.ldexp(np.float32(1), exponent - SCALE_EXPONENT_OFFSET), 0)
+        bits, out = rows.view(torch.int16).numpy(), values.view(torch.uint8).numpy()
+        bad = quantize_bf16_rows(bits, out, scales, fallback)
+        if bad >= 0:
+            return bad
+    if fallback.any():
+        left = torch.from_numpy(np.flatnonzero(fallback))
+        q, s = quantize_rows(rows[left])
+        if s.isnan().any():
+            return int(left[s.isnan()][0])
+        values[left], scales[left.numpy()] = q, s.numpy()
     return None
-
-
-def _as_float(magnitude: np.ndarray, dtype: torch.dtype) -> np.ndarray:
-    """Per-row max magnitude as float32 (bf16 bits widened: bf16 is float32's top half)."""
-    if dtype != torch.bfloat16:
-        return magnitude.astype(np.float32)
-    return (magnitude.astype(np.int32) << 16).view(np.float32)
 
 
 def dequantize(

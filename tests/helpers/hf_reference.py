@@ -31,7 +31,7 @@ ROUTING_TIE = 1e-4
 TOLERANCE = {
     "float32": {"min_cos": 0.99999, "max_error": 2e-5},
     "bfloat16": {"min_cos": 0.999, "max_error": 0.02},
-    # bf16 serving stored as fp8_e4m3 (store/fp8.py), read back as bf16; measured (tiny Llama,
+    # bf16 serving stored as fp8_e4m3 (hsx_store/fp8.py), read back as bf16; measured (tiny Llama,
     # test_node_worker's fp8 test): 1 - cos <= 6.2e-4, error <= 2.81%; one token late:
     # 1 - cos 1.13, error 59%.
     "fp8_e4m3": {"min_cos": 0.998, "max_error": 0.035},

@@ -57,12 +57,13 @@ def worker_job(
     layers: list[int] | None = LAYERS,
     server: dict | None = None,
     worker: dict | None = None,
+    store: dict | None = None,
 ) -> WorkerJobConfig:
     """A worker's config for tests: short timeouts, files under tmp_path."""
     return WorkerJobConfig.model_validate(
         {
             "model": {"path": str(model_path), "dtype": dtype, "aux_layer_ids": layers},
-            "store": {"url": str(store_url)},
+            "store": {"url": str(store_url), **(store or {})},
             "server": {"start_timeout_s": 240, "restart_backoff_s": 0.5, **(server or {})},
             "worker": {
                 "inflight": 4,

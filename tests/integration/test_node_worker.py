@@ -20,7 +20,7 @@ from actors.calibration import PROBE_TEXT, CalibrationError, calibrate
 from actors.node_worker import ModelMismatch, NodeWorker
 from actors.sglang_server import ServerError
 from cluster.shard_queue import ShardQueueActor
-from hsx_store.format import Store, create_store, make_manifest
+from hsx_store.format import Store, create_store, make_manifest, stored_arrays
 from hsx_store.layers import expected_capture
 from hsx_store.reader import HiddenStatesDataset
 from tests.helpers.hf_reference import TOLERANCE, assert_matches
@@ -72,11 +72,13 @@ def test_worker_writes_two_shards_matching_reference_and_plan(
     assert not list(tmp_path.glob("hsx-worker-*")), "nor its server's log, having succeeded"
 
 
-def test_an_fp8_store_written_by_a_worker_dequantizes_to_the_reference(
+def test_an_fp8_store_quantized_by_the_server_matches_the_reference_and_the_writers_bytes(
     ray_nodes: Cluster, llama_path: Path, tmp_path: Path
 ) -> None:
-    """store.dtype fp8_e4m3 from a bf16 server (tiny Llama): the reader's bf16 rows match
-    HF within TOLERANCE["fp8_e4m3"]; the same rows one token late do not."""
+    """store.dtype fp8_e4m3 from a bf16 server (tiny Llama). Quantized in the server (the
+    default): the reader's bf16 rows match HF within TOLERANCE["fp8_e4m3"], and the same rows
+    one token late do not. The same plan with the writer quantizing bf16 dumps stores the same
+    bytes: one request in flight on each server, so the same batches and bf16 rows."""
     ids, masks = chat_prompts(llama_path, 6)
     manifest = make_manifest(
         str(llama_path),
@@ -87,16 +89,31 @@ def test_an_fp8_store_written_by_a_worker_dequantizes_to_the_reference(
         chunk_tokens=64,
         dtype="fp8_e4m3",
     )
-    url = tmp_path / "store.zarr"
-    create_store(url, manifest, [f"sample-{i}" for i in range(6)], ids, masks)
-    queue = ShardQueueActor.remote([0], lease_seconds=60)
-    config = worker_job(llama_path, url, tmp_path, dtype="bfloat16")
-    worker = NodeWorker.options(resources={SOLO_NODE: 1}).remote(config, queue)
-    (summary,) = ray.get(worker.run.remote(), timeout=600)
-    assert summary["written"] == 6 and not summary["failed"]
-    store = Store.open(url)
+    stores = {}
+    for quantizer in ("server", "writer"):
+        url = tmp_path / f"{quantizer}.zarr"
+        create_store(url, manifest, [f"sample-{i}" for i in range(6)], ids, masks)
+        queue = ShardQueueActor.remote([0], lease_seconds=60)
+        config = worker_job(
+            llama_path,
+            url,
+            tmp_path,
+            dtype="bfloat16",
+            worker={"inflight": 1},
+            store={"fp8_quantizer": quantizer},
+        )
+        worker = NodeWorker.options(resources={SOLO_NODE: 1}).remote(config, queue)
+        (summary,) = ray.get(worker.run.remote(), timeout=600)
+        assert summary["written"] == 6 and not summary["failed"]
+        assert summary["fp8_quantized_by"] == quantizer
+        stores[quantizer] = Store.open(url)
+    for array in stored_arrays(manifest):
+        server, writer = (np.asarray(s.group[array.name][:]) for s in stores.values())
+        assert np.array_equal(server, writer), f"{array.name}: the server's bytes differ"
+
+    store = stores["server"]
     assert store.group["aux_hidden_states"].dtype == np.uint8
-    data, n = HiddenStatesDataset(str(url)), len(LAYERS)
+    data, n = HiddenStatesDataset(str(tmp_path / "server.zarr")), len(LAYERS)
     for k in range(6):
         sample = data[k]
         aux = sample["aux_hidden_states"].reshape(len(sample["input_ids"]), n, -1)

@@ -86,15 +86,33 @@ def test_every_finite_row_round_trips_within_the_bound(case: str) -> None:
     assert not any(flags.any() for flags in invalid_rows(bits, scales))
 
 
+def every_value_under_every_scale() -> torch.Tensor:
+    """One row per frexp exponent of a row's max (-132 .. 128, so every scale a bf16 row can
+    have): the max itself, then every finite bf16 value no larger, zeros elsewhere."""
+    every = every_finite_bf16().reshape(-1)
+    magnitude = every.float().abs()
+    out = []
+    for e in range(-132, 129):
+        top = 2.0 ** (e - 1) * (1.5 if e > -125 else 1)  # exact in bf16, frexp exponent e
+        top = torch.tensor(top if e < 128 else torch.finfo(torch.bfloat16).max).bfloat16()
+        row = torch.where(magnitude <= top.float(), every, torch.zeros((), dtype=torch.bfloat16))
+        row[0] = top
+        out.append(row)
+    return torch.stack(out)
+
+
 @pytest.mark.parametrize("threads", [0, 2])
 def test_the_cpu_quantizer_gives_the_bytes_of_the_definition(
     monkeypatch: pytest.MonkeyPatch, threads: int
 ) -> None:
-    """quantize (numpy magnitudes, one bf16 multiply, blocks on threads) against quantize_rows
-    (the tensor ops the capture plugin runs on the GPU), on bf16 and float32 rows."""
-    monkeypatch.setattr(fp8, "BLOCK_BYTES", 4096)  # many blocks
-    x = torch.cat([every_finite_bf16(), edge_rows().repeat(1, 16), rows(64, 256)])
-    for rows_in in (x, x.float()):
+    """quantize (the numba kernel, rows it leaves to the definition, blocks on threads) against
+    quantize_rows (the tensor ops the capture plugin runs on the GPU): every bf16 value under
+    every scale, the range's ends, random rows, and float32 rows."""
+    monkeypatch.setattr(fp8, "BLOCK_BYTES", 1 << 16)  # many blocks
+    x = every_value_under_every_scale()
+    assert torch.equal(torch.frexp(x.float().abs().amax(1)).exponent, torch.arange(-132, 129))
+    small = torch.cat([edge_rows().repeat(1, 16), rows(64, 256)])
+    for rows_in in (x, small, small.float()):
         with ThreadPoolExecutor(threads) if threads else contextlib.nullcontext() as pool:
             bits, scales = quantize(rows_in, "x", pool)
         values, want_scales = quantize_rows(rows_in)
