@@ -6,8 +6,9 @@ row. Scaling is exact, so the only rounding is the one to e4m3 (a row in the top
 |x| >= 2 ** 127, saturates at 240 so that it never dequantizes to inf).
 
 `quantize_rows` is the definition, in tensor ops on any device: the capture plugin runs it on
-the GPU. `quantize` gives the same bytes on a CPU, fast, in blocks of rows on the caller's
-threads (the shard writer's fallback for bf16 dumps). Bounds, bytes: docs/store-format.md.
+the GPU. `quantize` gives the same bytes on a CPU (a numba kernel, hsx_store/fp8_cpu.py) in
+blocks of rows on the caller's threads: the shard writer's path for bf16 dumps. Bounds, bytes,
+who quantizes: docs/store-format.md.
 """
 
 from __future__ import annotations

@@ -89,8 +89,8 @@ def test_an_fp8_store_quantized_by_the_server_matches_the_reference_and_the_writ
         chunk_tokens=64,
         dtype="fp8_e4m3",
     )
-    stores = {}
-    for quantizer in ("server", "writer"):
+    runs = {}
+    for quantizer, node in (("server", SOLO_NODE), ("writer", "sglang_node")):  # side by side
         url = tmp_path / f"{quantizer}.zarr"
         create_store(url, manifest, [f"sample-{i}" for i in range(6)], ids, masks)
         queue = ShardQueueActor.remote([0], lease_seconds=60)
@@ -102,11 +102,14 @@ def test_an_fp8_store_quantized_by_the_server_matches_the_reference_and_the_writ
             worker={"inflight": 1},
             store={"fp8_quantizer": quantizer},
         )
-        worker = NodeWorker.options(resources={SOLO_NODE: 1}).remote(config, queue)
-        (summary,) = ray.get(worker.run.remote(), timeout=600)
+        worker = NodeWorker.options(resources={node: 1}).remote(config, queue)
+        runs[quantizer] = (worker, worker.run.remote())
+    stores = {}
+    for quantizer, (_, run) in runs.items():
+        (summary,) = ray.get(run, timeout=600)
         assert summary["written"] == 6 and not summary["failed"]
         assert summary["fp8_quantized_by"] == quantizer
-        stores[quantizer] = Store.open(url)
+        stores[quantizer] = Store.open(tmp_path / f"{quantizer}.zarr")
     for array in stored_arrays(manifest):
         server, writer = (np.asarray(s.group[array.name][:]) for s in stores.values())
         assert np.array_equal(server, writer), f"{array.name}: the server's bytes differ"
