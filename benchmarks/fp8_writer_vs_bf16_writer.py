@@ -27,8 +27,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from actors.shard_writer import ShardWriter
 from benchmarks.rounds import alternate
+from benchmarks.writer_vs_tofile import writer_seconds
 from hsx_store.format import (
     DEFAULT_CODEC,
     SCHEMA_VERSION,
@@ -91,14 +91,7 @@ def new_store(root: Path, samples: list[Sample], dtype: str, per_shard: int) -> 
 def writer_rate(root: Path, samples: list, dtype: str, per_shard: int, nbytes: int) -> float:
     """GB/s of bf16 input: every shard of a fresh store written and committed (the store's
     creation untimed, as the driver's)."""
-    store = new_store(root, samples, dtype, per_shard)
-    start = time.perf_counter()
-    for shard in store.shards:
-        writer = ShardWriter(store, shard, threads=2)
-        for i in range(shard.sample_begin, shard.sample_end):
-            writer.write_sample(i, *samples[i])
-        writer.commit({})
-    seconds = time.perf_counter() - start
+    seconds = writer_seconds(samples, new_store(root, samples, dtype, per_shard), threads=2)
     shutil.rmtree(root / "store.zarr")
     return nbytes / seconds / 1e9
 

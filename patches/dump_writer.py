@@ -112,7 +112,7 @@ class PendingDump:
         A CUDA source is copied on a side stream that first waits for the current stream, so the
         rows are complete when the copy starts and the forward stream never waits for the copy.
         """
-        self._fill((key,), row_start, src, lambda rows: (rows,))
+        self.fill_converted((key,), row_start, src, lambda rows: (rows,))
 
     def fill_converted(
         self,
@@ -125,15 +125,6 @@ class PendingDump:
         with ``convert(src)`` (e.g. FP8 values and their scales). A CUDA source is converted on
         the side stream too: the forward stream never waits, and only converted bytes cross to
         the host. ``convert`` must not synchronize with the host."""
-        self._fill(keys, row_start, src, convert)
-
-    def _fill(
-        self,
-        keys: tuple[str, ...],
-        row_start: int,
-        src: torch.Tensor,
-        convert: Callable[[torch.Tensor], tuple[torch.Tensor, ...]],
-    ) -> None:
         if self._state != "open":
             raise RuntimeError(f"fill() on a {self._state} dump")
         rows = slice(row_start, row_start + src.shape[0])
