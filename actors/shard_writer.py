@@ -405,7 +405,7 @@ class ShardWriter:
             served = {n: _raw(x, m.served_dtype, f"{what} {_short(n)}") for n, x in hidden.items()}
             return [np.ascontiguousarray(served[a.name]) for a in self._stored], True
         pairs = [self._fp8(hidden[n], f"{what} {_short(n)}") for n in wanted]
-        lent = all(isinstance(x, Fp8Rows) for x in hidden.values())
+        lent = any(isinstance(x, Fp8Rows) for x in hidden.values())  # rows still in the dump
         return [bits for bits, _ in pairs] + [scales for _, scales in pairs], lent
 
     def _fp8(

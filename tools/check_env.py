@@ -6,6 +6,7 @@ from importlib.metadata import entry_points, version
 
 
 def main() -> None:
+    import numba  # noqa: F401  (the CPU FP8 quantizer's kernel)
     import ray  # noqa: F401
     import sglang.srt.server_args  # noqa: F401  (imports sgl_kernel through the shim)
     import zarr  # noqa: F401
@@ -15,7 +16,9 @@ def main() -> None:
         raise SystemExit(f"the capture plugin's entry point is not registered: {plugins}")
     print(
         "environment ok: "
-        + ", ".join(f"{p} {version(p)}" for p in ("sglang", "torch", "ray", "zarr", "transformers"))
+        + ", ".join(
+            f"{p} {version(p)}" for p in ("sglang", "torch", "ray", "zarr", "transformers", "numba")
+        )
     )
 
 
