@@ -151,6 +151,7 @@ class PlanStream:
         self.data, self.planners = data, planners
         self._args = (data.model_dump_json(), str(model_path), trust_remote_code)
         self._sources = [resolve_source(p, data.format) for p in data.paths]
+        self._names = source_names([src.path for src in self._sources])
         encoder = _encoder(*self._args)  # fails here, not in a task, for a bad model/template
         self.chat_template = encoder.template
         self.sources: list[dict[str, Any]] = []
@@ -164,7 +165,7 @@ class PlanStream:
         numbers = [0] * len(self._sources)  # row numbers spanned so far, per source
         counts = [0] * len(self._sources)  # rows read (blank JSONL lines are none)
         for part, result in self._results():
-            name = part.path.name
+            name = self._names[part.source]
             base = numbers[part.source]
             offsets = np.cumsum([0, *result.lengths])
             encoded = 0  # rows of this part the encoder accepted so far
@@ -254,6 +255,20 @@ def _nodes_holding(paths: list[str]) -> dict[str, int]:
     if len(holding) < len(nodes):
         log.info("planning on the %d of %d nodes that hold the inputs", len(holding), len(nodes))
     return holding
+
+
+def source_names(paths: list[Path]) -> list[str]:
+    """Each input's name in the ids of its rows that have none (`<name>:<row>`): its file name,
+    or as many trailing parts of its path as tell it from every other input (a/train.jsonl,
+    b/train.jsonl). It depends on the inputs' paths alone, so a resume names rows alike."""
+    names = []
+    for path in paths:
+        others = [q.parts for q in paths if q != path]
+        n = 1
+        while n < len(path.parts) and any(q[-n:] == path.parts[-n:] for q in others):
+            n += 1
+        names.append("/".join(path.parts[-n:]))
+    return names
 
 
 def _all_exist(paths: list[str]) -> bool:

@@ -61,6 +61,8 @@ def parse_row(value: Any, reason: str | None, data: DataConfig) -> Row:
         if own_id == "":
             return Row(None, f"{data.id_field} is an empty string")
         own_id = str(own_id)
+        if "\0" in own_id:  # the store's fixed-width strings drop trailing NULs: ids would merge
+            return Row(None, f"{data.id_field} contains a NUL character")
     return _parse_content(own_id, value, data)
 
 

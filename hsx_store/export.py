@@ -100,9 +100,10 @@ def export(
     except (FileNotFoundError, zarr.errors.GroupNotFoundError) as exc:
         raise StoreAccessError(f"{url}: no store there ({exc})") from None
     last_slot = _check_exportable(url, store.manifest, fmt, allow_post_norm)
+    sample_ids = [str(s) for s in np.asarray(store.group["sample_id"][:])]
+    _check_unique(sample_ids)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    sample_ids = [str(s) for s in np.asarray(store.group["sample_id"][:])]
     with _exclusive(out):
         removed = _remove_temporaries(out)
         if removed:
@@ -239,6 +240,19 @@ def main(argv: list[str] | None = None) -> int:
 
 
 # ---- what each format writes -------------------------------------------------------------
+
+
+def _check_unique(sample_ids: list[str]) -> None:
+    """Samples are exported under their store index, found by id: a store whose ids repeat
+    (planned before ids holding NUL were refused) would map one sample's rows to another."""
+    first: dict[str, int] = {}
+    for i, sid in enumerate(sample_ids):
+        if sid in first:
+            raise ExportError(
+                f"sample id {sid!r} is stored for samples {first[sid]} and {i}: this store "
+                "cannot be exported sample by sample (plan it again)"
+            )
+        first[sid] = i
 
 
 def _check_exportable(url: str, m: Manifest, fmt: str, allow_post_norm: bool) -> str | None:

@@ -216,6 +216,48 @@ def test_parquet_and_hf_dirs_match_jsonl(tmp_path: Path, llama_path: Path) -> No
     assert [s["format"] for s in plan.sources] == ["hf", "parquet"]
 
 
+def test_rows_without_ids_in_inputs_of_the_same_name_get_distinct_ids(
+    tmp_path: Path, llama_path: Path
+) -> None:
+    """A generated id names its input by as many trailing path parts as tell it from the other
+    inputs (a file name alone where that is unique); before, every row of the second
+    train.jsonl was rejected as a duplicate of the first's."""
+    rows = [{"text": "the answer is 42."}, {"text": "why? yes."}]
+    for folder in ("a", "b"):
+        (tmp_path / folder).mkdir()
+    inputs = [
+        write_jsonl(tmp_path / "a" / "train.jsonl", rows),
+        write_jsonl(tmp_path / "b" / "train.jsonl", rows),
+        write_jsonl(tmp_path / "b" / "other.jsonl", rows),
+    ]
+    plan = plan_for(inputs, llama_path)
+    assert plan.rejected == []
+    assert plan.sample_ids == [
+        *("a/train.jsonl:1", "a/train.jsonl:2", "b/train.jsonl:1", "b/train.jsonl:2"),
+        *("other.jsonl:1", "other.jsonl:2"),
+    ]
+    same_file_twice = [Path("/z/u.jsonl"), Path("/z/u.jsonl")]  # its rows are duplicates
+    assert plan_mod.source_names(
+        [Path("/x/a/t.jsonl"), Path("/y/a/t.jsonl"), *same_file_twice]
+    ) == [
+        "x/a/t.jsonl",
+        "y/a/t.jsonl",
+        "u.jsonl",
+        "u.jsonl",
+    ]
+
+
+def test_an_id_holding_a_nul_is_refused_rather_than_merged_with_its_neighbour(
+    tmp_path: Path, llama_path: Path
+) -> None:
+    """The store keeps ids as fixed-width strings, which drop trailing NULs: "a" and a NUL
+    would be stored as "a", a second sample of that id."""
+    rows = [{"id": "a", "text": "the answer is 42."}, {"id": "a\u0000", "text": "why? yes."}]
+    plan = plan_for(write_jsonl(tmp_path / "r.jsonl", rows), llama_path)
+    assert plan.sample_ids == ["a"]
+    assert plan.rejected == [{"sample_id": "r.jsonl:2", "reason": "id contains a NUL character"}]
+
+
 def test_every_reject_reason(tmp_path: Path, llama_path: Path, tok: Any) -> None:
     long_text = "the model layer token " * 40
     n_long = len(tok(long_text)["input_ids"])

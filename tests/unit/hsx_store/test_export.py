@@ -247,6 +247,22 @@ def test_a_directory_of_another_store_format_or_origin_is_refused(
         export(url, foreign, "specforge", say=lambda _: None)
 
 
+def test_a_store_whose_sample_ids_repeat_is_refused_before_anything_is_written(
+    tmp_path: Path, store_url: tuple[str, list[int]]
+) -> None:
+    """Plans made before ids holding a NUL were refused could store "a" twice ("a" and "a" +
+    NUL): the export finds each sample's index by its id and would write one sample's rows
+    under the other's name."""
+    import zarr
+
+    url, _ = store_url
+    ids = zarr.open_group(url, mode="r+")["sample_id"]
+    ids[3] = ids[1]
+    with pytest.raises(ExportError, match=r"sample id 's1-é' is stored for samples 1 and 3"):
+        export(url, tmp_path / "out", "specforge", say=lambda _: None)
+    assert not (tmp_path / "out").exists()
+
+
 def test_cli_exits_0_on_success_1_on_errors_2_without_a_store(
     tmp_path: Path, store_url: tuple[str, list[int]], capsys: pytest.CaptureFixture
 ) -> None:
