@@ -11,6 +11,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
+from hsx_store.location import obstore_options
+
 # Aux layers one capture may hold: EAGLE-3 uses 3, DFlash-style drafters 5 or more (SGLang
 # 0.5.23 has set_dflash_layers_to_capture); capture, store, readers and exports are tested
 # with 1, 3, 5 and 8.
@@ -70,7 +72,8 @@ class StoreConfig(Section):
     """A local directory, or object storage: `s3://bucket/prefix.zarr` (`gs://`, `az://`)."""
     storage_options: dict[str, Any] = {}
     """obstore settings for object storage (endpoint, region, client_options, retry_config,
-    ...); credentials are better left to the nodes' `AWS_*` environment."""
+    ...); credentials are better left to the nodes' `AWS_*` environment. Durations (timeouts,
+    retry_timeout, backoffs) are seconds or text such as "30s", "1m 30s", "500ms"."""
     codec: Literal["none", "zstd"] = "none"
     """Chunk compression. zstd level 1 shrank bf16 activations only 1.21x here and halved the
     write speed."""
@@ -92,6 +95,12 @@ class StoreConfig(Section):
     on the stream that copies them out: half the bytes to copy, hold and write); "writer": the
     worker's shard writer, from bf16 dumps. The stored bytes are the same; a server whose
     plugin dumps bf16 (an older one) gets the writer either way."""
+
+    @field_validator("storage_options")
+    @classmethod
+    def _obstore_options(cls, options: dict[str, Any]) -> dict[str, Any]:
+        obstore_options(options)  # what obstore would refuse later, named now
+        return options
 
 
 class ServerConfig(Section):

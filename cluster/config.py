@@ -9,8 +9,6 @@ Reference (generated from the field docstrings): docs/configuration.md.
 
 from __future__ import annotations
 
-import datetime
-import re
 from pathlib import Path
 from typing import Any, Literal
 
@@ -18,7 +16,7 @@ import yaml
 from pydantic import Field, ValidationError, model_validator
 
 from actors.config import Section, WorkerJobConfig
-from hsx_store.location import DEFAULT_CLIENT_OPTIONS, DEFAULT_RETRY, is_remote
+from hsx_store.location import OBSTORE_MAX_BACKOFF, duration_s, is_remote, obstore_options
 
 
 class DataConfig(Section):
@@ -50,33 +48,16 @@ class DataConfig(Section):
     """Longer prompts are rejected, never truncated."""
 
 
-# obstore's own defaults where hsx_store/location.py sets none.
-_OBSTORE_DEFAULT_MAX_BACKOFF_S = 15.0
-_DURATION_UNITS = {"ms": 1e-3, "s": 1.0, "sec": 1.0, "m": 60.0, "min": 60.0, "h": 3600.0}
-
-
-def _seconds(value: Any) -> float:
-    """An obstore duration (timedelta, seconds, or "60s", "1m 30s", "500ms") in seconds."""
-    if isinstance(value, datetime.timedelta):
-        return value.total_seconds()
-    if isinstance(value, int | float):
-        return float(value)
-    text = str(value).strip().lower()
-    pairs = re.findall(r"(\d+(?:\.\d+)?)\s*([a-z]+)\s*", text)
-    if not re.fullmatch(r"(\d+(\.\d+)?\s*[a-z]+\s*)+", text) or any(
-        unit not in _DURATION_UNITS for _, unit in pairs
-    ):
-        raise ValueError(f"cannot read {value!r} as a duration (e.g. 60s, 1m 30s, 500ms)")
-    return sum(float(n) * _DURATION_UNITS[unit] for n, unit in pairs)
-
-
 def store_write_bound_s(storage_options: dict[str, Any]) -> float:
     """The longest one chunk PUT to object storage can go on: its last retry starts by
     retry_timeout + max_backoff and runs at most the client timeout (hsx_store/location.py)."""
-    client = {**DEFAULT_CLIENT_OPTIONS, **storage_options.get("client_options", {})}
-    retry = {**DEFAULT_RETRY, **storage_options.get("retry_config", {})}
-    max_backoff = retry.get("backoff", {}).get("max_backoff", _OBSTORE_DEFAULT_MAX_BACKOFF_S)
-    return _seconds(retry["retry_timeout"]) + _seconds(max_backoff) + _seconds(client["timeout"])
+    client, retry, _ = obstore_options(storage_options)
+    max_backoff = retry["backoff"].get("max_backoff", OBSTORE_MAX_BACKOFF)
+    return (
+        retry["retry_timeout"].total_seconds()
+        + max_backoff.total_seconds()
+        + duration_s(client["timeout"], "client_options.timeout")
+    )
 
 
 class QueueConfig(Section):

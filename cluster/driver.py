@@ -55,7 +55,8 @@ class Driver:
     node_plans: dict[str, NodePlan | PlacementError] = field(default_factory=dict)  # by node
     workers_lost: list[dict[str, str]] = field(default_factory=list)
     incarnation: int = 0
-    live: bool = field(default_factory=sys.stdout.isatty)  # a terminal: every progress line
+    # a terminal: every progress line (the stdout of the moment, not the one at import)
+    live: bool = field(default_factory=lambda: sys.stdout.isatty())
 
     def run(self) -> int:
         started = time.monotonic()

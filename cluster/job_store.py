@@ -30,7 +30,7 @@ from cluster.plan import (
 )
 from hsx_store.builder import StoreBuilder
 from hsx_store.format import Manifest, Shard, Store, StoreIncomplete, make_manifest, stored_arrays
-from hsx_store.layers import LayerIdsError, expected_capture
+from hsx_store.layers import LayerIdsError, ModelConfigError, expected_capture
 
 PROJECT_AFTER_PARTS = 8  # planned parts after which the storage estimate is projected
 
@@ -57,6 +57,8 @@ def manifest_for(config: JobConfig, chat_template: str | None) -> Manifest:
         )
     except LayerIdsError as exc:
         raise ConfigError(f"invalid job config:\n  model.aux_layer_ids: {exc}") from None
+    except ModelConfigError as exc:
+        raise ConfigError(f"invalid job config:\n  model.path: {exc}") from None
     codec = {"name": "none"}
     if config.store.codec == "zstd":
         codec = {"name": "zstd", "level": config.store.codec_level}
@@ -131,6 +133,11 @@ def open_or_create(config: JobConfig, say: Any = print) -> tuple[Store, bool, St
     plan is complete). Only the empty store is made here: planning streams into it
     (`plan_into`) while workers already capture, so a bad location still fails in seconds."""
     url = config.store.url
+    if not Path(config.model.path).is_dir():
+        raise ConfigError(
+            f"invalid job config:\n  model.path: {config.model.path} is not a directory (a "
+            "local model: config.json, the tokenizer and the weights)"
+        )
     interrupted = False
     try:
         store = Store.open(url, mode="r+", storage_options=config.store.storage_options)

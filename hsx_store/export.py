@@ -99,6 +99,11 @@ def export(
         store = Store.open(url, storage_options=storage_options)
     except (FileNotFoundError, zarr.errors.GroupNotFoundError) as exc:
         raise StoreAccessError(f"{url}: no store there ({exc})") from None
+    if not store.planned:  # the dataset and the file names follow the whole plan
+        raise ExportError(
+            f"{url} is still being planned ({store.num_samples} samples so far): export it "
+            "once its plan is complete"
+        )
     last_slot = _check_exportable(url, store.manifest, fmt, allow_post_norm)
     sample_ids = [str(s) for s in np.asarray(store.group["sample_id"][:])]
     _check_unique(sample_ids)
@@ -524,6 +529,10 @@ def _begin(
             f"{out} holds an export of another store or format: {'; '.join(differ)}. "
             f"Export into another directory."
         )
+    if old.get("num_planned_samples") != doc["num_planned_samples"]:
+        # Exported before the plan was complete (allowed once): its dataset and token counts
+        # cover the samples planned then, and are made again for the whole plan.
+        (out / "state.json").unlink(missing_ok=True)
     return doc
 
 

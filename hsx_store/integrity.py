@@ -581,7 +581,12 @@ class _Verifier:
         recorded = np.asarray(self.g["shard_plan_sha256"][:])
         for sh in self.committed:
             rows = slice(sh.token_begin, sh.token_end)
-            digest = plan_digest(self.g["input_ids"][rows], self.g["loss_mask"][rows])
+            try:
+                digest = plan_digest(self.g["input_ids"][rows], self.g["loss_mask"][rows])
+            except Exception:
+                if not self.damaged_chunks(["input_ids", "loss_mask"], sh):
+                    raise
+                continue  # named; the other shards are still checked
             if digest != recorded[sh.index]:
                 self.report.error(
                     "plan",
@@ -610,18 +615,51 @@ class _Verifier:
         return None
 
     def missing_chunk(self, name: str, sh: Shard, k: int) -> None:
-        c = self.m.chunk_tokens
+        self.report.error(
+            "chunks",
+            f"{self.describe_chunk(name, sh, k)} is missing: {self.chunk_samples(name, sh, k)} "
+            "read zeros there",
+        )
+
+    def damaged_chunks(self, names: list[str], sh: Shard) -> bool:
+        """A read of shard sh's rows failed: name every chunk of `names` there that cannot be
+        read (a truncated or empty file, bytes its codec refuses), as a "chunks" finding, so
+        that the check can go on. False if every chunk reads (the failure is elsewhere)."""
+        found = False
+        for name in names:
+            arr = self.g[name]
+            c = arr.chunks[0]
+            for k in range(sh.token_begin // c, -(-sh.token_end // c)):
+                try:
+                    arr[k * c : min((k + 1) * c, arr.shape[0])]
+                except Exception as exc:
+                    found = True
+                    self.report.error(
+                        "chunks",
+                        f"{self.describe_chunk(name, sh, k)} cannot be read "
+                        f"({type(exc).__name__}: {exc}): {self.chunk_samples(name, sh, k)} "
+                        "unchecked there",
+                    )
+        return found
+
+    def describe_chunk(self, name: str, sh: Shard, k: int) -> str:
+        arr = self.g[name]
+        c = arr.chunks[0]
+        key = arr.metadata.encode_chunk_key((k,) + (0,) * (arr.ndim - 1))
+        return (
+            f"{name}: chunk {k} (key {name}/{key}, rows {k * c}..{(k + 1) * c - 1}) of "
+            f"committed shard {sh.index}"
+        )
+
+    def chunk_samples(self, name: str, sh: Shard, k: int) -> str:
+        """The samples of shard sh with rows in chunk k of `name`."""
+        c = self.g[name].chunks[0]
         lo, hi = k * c, (k + 1) * c
         starts = self.store.sample_start[sh.sample_begin : sh.sample_end]
         ends = starts + self.store.sample_length[sh.sample_begin : sh.sample_end]
         first = sh.sample_begin + int(np.searchsorted(ends, lo, side="right"))
         stop = sh.sample_begin + int(np.searchsorted(starts, hi, side="left"))
-        key = self.g[name].metadata.encode_chunk_key((k,) + (0,) * (self.g[name].ndim - 1))
-        self.report.error(
-            "chunks",
-            f"{name}: chunk {k} (key {name}/{key}, rows {lo}..{hi - 1}) of committed shard "
-            f"{sh.index} is missing: {self.span(first, stop)} read zeros there",
-        )
+        return self.span(first, stop)
 
     # -- values --
 
@@ -640,10 +678,15 @@ class _Verifier:
         for sh in self.committed:
             for name in arrays:
                 arr, span = self.g[name], (sh.token_begin, sh.token_end)
-                if fp8:
-                    nonfinite, zero = fp8_row_flags(arr, self.g[scale_name(name)], *span)
-                else:
-                    nonfinite, zero = row_flags(arr, *span, block_bytes)
+                try:
+                    if fp8:
+                        nonfinite, zero = fp8_row_flags(arr, self.g[scale_name(name)], *span)
+                    else:
+                        nonfinite, zero = row_flags(arr, *span, block_bytes)
+                except Exception:
+                    if not self.damaged_chunks([name, *([scale_name(name)] if fp8 else [])], sh):
+                        raise
+                    continue  # named; the other shards and arrays are still checked
                 self.report_rows(name, sh, nonfinite, zero)
                 rows += sh.token_end - sh.token_begin
                 nbytes += (sh.token_end - sh.token_begin) * _row_bytes(arr)

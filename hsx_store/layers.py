@@ -28,12 +28,29 @@ class LayerIdsError(ValueError):
     """Aux layer ids this model cannot capture."""
 
 
+class ModelConfigError(ValueError):
+    """The model's config.json cannot be read, or lacks what capture is sized by."""
+
+
 def model_config(model_path: Path) -> dict:
-    return json.loads((Path(model_path) / "config.json").read_text())
+    path = Path(model_path) / "config.json"
+    try:
+        config = json.loads(path.read_text())
+    except FileNotFoundError:
+        raise ModelConfigError(f"{path} does not exist") from None
+    except (OSError, ValueError) as exc:
+        raise ModelConfigError(f"{path} cannot be read: {exc}") from None
+    if not isinstance(config, dict):
+        raise ModelConfigError(f"{path} is not a JSON object")
+    return config
 
 
 def num_layers_and_hidden(config: dict) -> tuple[int, int]:
     text = config.get("text_config") or config
+    missing = [key for key in ("num_hidden_layers", "hidden_size") if key not in text]
+    if missing:
+        where = "text_config" if "text_config" in config else "config.json"
+        raise ModelConfigError(f"the model's {where} has no {' or '.join(missing)}")
     return int(text["num_hidden_layers"]), int(text["hidden_size"])
 
 

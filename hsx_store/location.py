@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import datetime
 import os
+import re
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -33,6 +34,17 @@ DEFAULT_RETRY = {
     "retry_timeout": datetime.timedelta(seconds=120),
     "backoff": {"init_backoff": datetime.timedelta(milliseconds=100), "base": 2},
 }
+# Durations in client_options (obstore parses "60s", "500ms") and retry_config (timedeltas).
+CLIENT_DURATIONS = (
+    "timeout",
+    "connect_timeout",
+    "pool_idle_timeout",
+    "http2_keep_alive_interval",
+    "http2_keep_alive_timeout",
+)
+BACKOFF_DURATIONS = ("init_backoff", "max_backoff")
+OBSTORE_MAX_BACKOFF = datetime.timedelta(seconds=15)  # obstore's default where none is set
+_DURATION_UNITS = {"ms": 1e-3, "s": 1.0, "sec": 1.0, "m": 60.0, "min": 60.0, "h": 3600.0}
 SECRET_KEYS = ("secret_access_key", "aws_secret_access_key", "session_token", "token")
 SECRET_ENV = ("AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN")
 
@@ -75,11 +87,9 @@ def open_location(
     """What zarr opens for `url`: the path itself for a local store, else an ObjectStore."""
     if not is_remote(url):
         return str(url).removeprefix("file://")
-    options = dict(storage_options or {})
-    client = {**DEFAULT_CLIENT_OPTIONS, **options.pop("client_options", {})}
+    client, retry, options = obstore_options(storage_options or {})
     if _endpoint(options).startswith("http://"):  # the user chose a plain-HTTP endpoint
         client.setdefault("allow_http", True)
-    retry = {**DEFAULT_RETRY, **options.pop("retry_config", {})}
     try:
         backend = obstore.store.from_url(
             str(url), client_options=client, retry_config=retry, **options
@@ -87,6 +97,56 @@ def open_location(
     except Exception as exc:
         raise StoreAccessError(describe_failure(url, exc, storage_options)) from None
     return SinglePutObjectStore(backend, read_only=read_only)
+
+
+def obstore_options(storage_options: Mapping[str, Any]) -> tuple[dict, dict, dict]:
+    """(client_options, retry_config, the other options) as obstore takes them, the user's
+    over our defaults. Durations may be written as seconds or as "30s", "1m 30s", "500ms" (all
+    a YAML file can hold); a value obstore would refuse raises ValueError naming its option."""
+    rest = dict(storage_options)
+    client = _mapping(rest.pop("client_options", {}), "client_options")
+    retry = _mapping(rest.pop("retry_config", {}), "retry_config")
+    client, retry = {**DEFAULT_CLIENT_OPTIONS, **client}, {**DEFAULT_RETRY, **retry}
+    for key in CLIENT_DURATIONS:
+        if key in client:  # milliseconds: obstore's parser takes no fractions
+            client[key] = f"{round(duration_s(client[key], f'client_options.{key}') * 1000)}ms"
+    if "retry_timeout" in retry:
+        seconds = duration_s(retry["retry_timeout"], "retry_config.retry_timeout")
+        retry["retry_timeout"] = datetime.timedelta(seconds=seconds)
+    retries = retry.get("max_retries")
+    if isinstance(retries, bool) or not isinstance(retries, int) or retries < 0:
+        raise ValueError(f"retry_config.max_retries: expected a count, got {retries!r}")
+    backoff = dict(_mapping(retry.get("backoff", {}), "retry_config.backoff"))
+    for key in BACKOFF_DURATIONS:
+        if key in backoff:
+            seconds = duration_s(backoff[key], f"retry_config.backoff.{key}")
+            backoff[key] = datetime.timedelta(seconds=seconds)
+    base = backoff.get("base", 2)
+    if isinstance(base, bool) or not isinstance(base, int | float) or base < 1:
+        raise ValueError(f"retry_config.backoff.base: expected a number >= 1, got {base!r}")
+    retry["backoff"] = backoff
+    return client, retry, rest
+
+
+def _mapping(value: Any, name: str) -> Mapping[str, Any]:
+    if not isinstance(value, Mapping):
+        raise ValueError(f"{name}: expected a mapping of options, got {type(value).__name__}")
+    return value
+
+
+def duration_s(value: Any, name: str) -> float:
+    """An obstore duration (timedelta, seconds, or "60s", "1m 30s", "500ms") in seconds."""
+    if isinstance(value, datetime.timedelta):
+        return value.total_seconds()
+    if isinstance(value, int | float) and not isinstance(value, bool) and value >= 0:
+        return float(value)
+    text = str(value).strip().lower()
+    pairs = re.findall(r"(\d+(?:\.\d+)?)\s*([a-z]+)\s*", text)
+    if not re.fullmatch(r"(\d+(\.\d+)?\s*[a-z]+\s*)+", text) or any(
+        unit not in _DURATION_UNITS for _, unit in pairs
+    ):
+        raise ValueError(f"{name}: cannot read {value!r} as a duration (e.g. 60s, 1m 30s, 500ms)")
+    return sum(float(n) * _DURATION_UNITS[unit] for n, unit in pairs)
 
 
 def describe_failure(

@@ -3,7 +3,10 @@ the store it leaves and the head stopped afterwards."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import contextlib
+import threading
+import uuid
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import numpy as np
@@ -11,13 +14,17 @@ import pytest
 import requests
 
 from hsx_store.format import Store
+from tools.demo import REPO
 from tools.s3_server import S3Server
 
 
 def test_ray_job_submit_runs_the_demo_job_end_to_end(
     demo: Callable[[list[str]], int], models_dir: Path, tmp_path: Path, capfd: pytest.CaptureFixture
 ) -> None:
-    status = demo(["--models", str(models_dir), "--out", str(tmp_path)])
+    """With a log growing in the checkout meanwhile, as `make demo > demo.log` makes one: the
+    job's package leaves it out (before, the job's runtime environment failed to set up)."""
+    with growing_file(REPO / f"demo-{uuid.uuid4().hex[:8]}.log"):
+        status = demo(["--models", str(models_dir), "--out", str(tmp_path)])
     out = capfd.readouterr().out
 
     assert status == 0, out[-5000:]
@@ -38,6 +45,27 @@ def test_ray_job_submit_runs_the_demo_job_end_to_end(
     address = next(w for w in out.split() if w.startswith("http://127.0.0.1:"))
     with pytest.raises(requests.ConnectionError):
         requests.get(f"{address}/api/jobs/", timeout=5)
+
+
+@contextlib.contextmanager
+def growing_file(path: Path) -> Iterator[None]:
+    """A file that grows every 10 ms while the block runs, removed afterwards."""
+    stop = threading.Event()
+
+    def grow() -> None:
+        with path.open("a") as f:
+            while not stop.wait(0.01):
+                f.write("a line of a log still being written\n")
+                f.flush()
+
+    writer = threading.Thread(target=grow, daemon=True)
+    writer.start()
+    try:
+        yield
+    finally:
+        stop.set()
+        writer.join()
+        path.unlink(missing_ok=True)
 
 
 def test_the_demo_job_on_s3_reaches_its_store_through_the_environment_alone(

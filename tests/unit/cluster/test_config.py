@@ -126,3 +126,72 @@ def test_a_worker_is_handed_the_job_config_itself(tmp_path: Path) -> None:
         model=config.model, store=config.store, server=config.server, worker=config.worker
     )
     assert config.server.start_timeout_s == 60 and config.worker.idle_poll_s == 1.0
+
+
+S3 = "s3://bucket/store.zarr"
+
+
+@pytest.mark.parametrize(
+    "options,named",
+    [
+        ({"client_options": 60}, r"client_options: expected a mapping of options, got int"),
+        ({"retry_config": {"backoff": 2}}, r"retry_config\.backoff: expected a mapping"),
+        ({"retry_config": {"retry_timeout": "soon"}}, r"retry_config\.retry_timeout: cannot read"),
+        ({"client_options": {"timeout": "30 parsecs"}}, r"client_options\.timeout: cannot read"),
+        ({"retry_config": {"max_retries": "4"}}, r"retry_config\.max_retries: expected a count"),
+    ],
+)
+def test_storage_options_obstore_would_refuse_are_named_when_the_config_is_read(
+    tmp_path: Path, options: dict, named: str
+) -> None:
+    """Before: a TypeError or AttributeError from the margin's computation, or obstore's own
+    refusal once the store was opened, naming no field."""
+    raw = job(tmp_path, tmp_path, None)
+    raw["store"] = {"url": S3, "storage_options": options}
+    with pytest.raises(ConfigError, match=rf"store\.storage_options: Value error, {named}"):
+        parse_config(raw)
+
+
+def test_durations_can_be_written_in_yaml_as_seconds_or_with_units(tmp_path: Path) -> None:
+    """obstore wants timedeltas in retry_config, which YAML cannot hold: "30s" and 30 both
+    work, and drive the time fence's margin."""
+    from hsx_store.location import obstore_options, open_location
+
+    raw = job(tmp_path, tmp_path, None)
+    options = {
+        "client_options": {"timeout": 30, "connect_timeout": "1m 30s"},
+        "retry_config": {"retry_timeout": "30s", "backoff": {"max_backoff": 0.5}},
+        "endpoint": "http://127.0.0.1:1",
+    }
+    raw["store"] = {"url": S3, "storage_options": options}
+    config = parse_config(raw)
+    assert config.margin_s == 30 + 0.5 + 30 + 15  # retry_timeout + max_backoff + timeout + 15
+    client, retry, _ = obstore_options(options)
+    assert client["timeout"] == "30000ms" and client["connect_timeout"] == "90000ms"
+    assert retry["retry_timeout"].total_seconds() == 30
+    assert retry["backoff"]["max_backoff"].total_seconds() == 0.5
+    open_location(S3, options)  # obstore takes them (it connects on first use only)
+
+
+def test_a_model_directory_that_cannot_size_the_capture_is_exit_2_before_a_store_exists(
+    llama_path: Path, tmp_path: Path, capsys: pytest.CaptureFixture
+) -> None:
+    """Before: a KeyError traceback (a config.json without num_hidden_layers) and a
+    FileNotFoundError (a model.path that is not there)."""
+    import json
+    import shutil
+
+    broken = tmp_path / "broken"
+    shutil.copytree(llama_path, broken, ignore=shutil.ignore_patterns("*.safetensors"))
+    config = json.loads((broken / "config.json").read_text())
+    del config["num_hidden_layers"]
+    (broken / "config.json").write_text(json.dumps(config))
+    given = job(llama_path, tmp_path, None)
+    for model, message in (
+        (broken, "model.path: the model's config.json has no num_hidden_layers"),
+        (tmp_path / "missing", f"model.path: {tmp_path / 'missing'} is not a directory"),
+    ):
+        args = ["run", "--model", str(model), "--data", given["data"]["paths"][0]]
+        assert cli_main([*args, "--store", given["store"]["url"]]) == 2
+        assert f"error: invalid job config:\n  {message}" in capsys.readouterr().err
+    assert not (tmp_path / "s.zarr").exists()

@@ -18,7 +18,8 @@ import yaml
 
 from cluster.config import JobConfig, load_config
 
-RAY_CONFIGS = Path(__file__).resolve().parents[3] / "ray_configs"
+REPO = Path(__file__).resolve().parents[3]
+RAY_CONFIGS = REPO / "ray_configs"
 
 JOB_FILES = sorted(RAY_CONFIGS.glob("*_job.yaml"))
 
@@ -118,9 +119,18 @@ def test_demo_prompts() -> None:
 
 
 def test_runtime_env() -> None:
+    """The job's package holds its code and ray_configs/ only: not a log, a store or a venv a
+    user keeps in the checkout (Ray's own matcher decides, as when it packages the directory)."""
+    from ray._private.runtime_env.packaging import _get_excludes
+
     env = load_yaml("runtime_env.yaml")
     assert env["working_dir"] == "."
-    assert {".venv", ".cache", "out", "__pycache__", ".git"} <= set(env["excludes"])
+    left_out = _get_excludes(REPO, env["excludes"])
+    kept = [".", "actors", "cluster/driver.py", "hsx_store", "patches", "ray_configs/demo_job.yaml"]
+    dropped = ["demo.log", "out", ".venv", ".cache", ".git", "tests", "tools", "README.md"]
+    assert not [p for p in kept if left_out(REPO / p)]
+    assert [p for p in dropped if left_out(REPO / p)] == dropped
+    assert left_out(REPO / "cluster" / "__pycache__")
     assert env["env_vars"] == {
         "HF_HUB_OFFLINE": "1",
         "TRANSFORMERS_OFFLINE": "1",

@@ -35,6 +35,7 @@ from hsx_store.format import create_store
 from hsx_store.reader import HiddenStatesDataset, HiddenStatesIterable
 from tests.helpers.exports import FORMATS, assert_same, bits, export, exported_files
 from tests.helpers.synthetic import (
+    LENGTHS,
     NUM_AUX,
     H,
     assert_sample_exact,
@@ -354,3 +355,50 @@ def test_an_export_of_a_store_since_created_again_at_the_same_url_is_refused(
     with pytest.raises(ExportConflict, match=r"store_id '[0-9a-f]{32}' there, '[0-9a-f]{32}' here"):
         export(url, out, "specforge", say=lambda _: None)
     assert export(url, tmp_path / "fresh", "specforge", say=lambda _: None)["files"] == 6
+
+
+def test_a_store_still_being_planned_is_refused_and_an_earlier_partial_export_is_completed(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The speculators dataset (and token_freq.pt) has a row per planned sample. Before: an
+    export made after 2 of 3 shards were planned kept its 8-row dataset for good, while a later
+    export added the files of every sample (speculators never reads past the dataset)."""
+    import datasets
+
+    from hsx_store import export as export_module
+    from hsx_store.builder import StoreBuilder
+    from hsx_store.format import Store
+
+    names, ids, masks = plan()
+    url, out = tmp_path / "s.zarr", tmp_path / "spec"
+    builder = StoreBuilder.create(url, manifest())
+    for i in range(8):  # shards 0 and 1 planned, shard 2 not yet
+        builder.add(names[i], ids[i], masks[i])
+    builder.flush()
+    with pytest.raises(ExportError, match=r"still being planned \(8 samples so far\)"):
+        export(str(url), out, "speculators", say=lambda _: None)
+    assert not out.exists()
+
+    # What the export did before it refused: a dataset of the 8 samples planned so far.
+    opened = Store.open
+
+    def planned_so_far(*args, **kwargs) -> Store:
+        store = opened(*args, **kwargs)
+        store.planned = True
+        return store
+
+    monkeypatch.setattr(export_module.Store, "open", planned_so_far)
+    export(str(url), out, "speculators", say=lambda _: None)
+    monkeypatch.undo()
+    assert len(datasets.load_from_disk(str(out))) == 8
+
+    for i in range(8, len(names)):
+        builder.add(names[i], ids[i], masks[i])
+    builder.finish([])
+    export(str(url), out, "speculators", say=lambda _: None)
+    dataset = datasets.load_from_disk(str(out))
+    assert len(dataset) == len(names) == PLANNED
+    assert [len(row) for row in dataset["input_ids"]] == LENGTHS
+    freq = torch.load(out / "token_freq.pt", weights_only=True)
+    assert sum(freq.values()) == sum(int(m.sum()) for m in masks)
+    assert json.loads((out / "export.json").read_text())["num_planned_samples"] == PLANNED

@@ -257,3 +257,40 @@ def test_a_verify_run_opens_the_store_once(tmp_path: Path, monkeypatch: pytest.M
     monkeypatch.setattr(store_format, "open_location", counted)
     assert verify(path).ok
     assert opened == [str(path)]
+
+
+def test_every_damaged_chunk_is_named_and_the_checks_go_on_past_them(tmp_path: Path) -> None:
+    """A truncated chunk, an empty one and a truncated input_ids chunk, in three shards: each
+    is named with its array, key, shard and samples, and a NaN in another row is still found.
+    Before: one "the check crashed: ValueError: ..." and nothing after it."""
+    path = build_store(tmp_path / "s.zarr")
+    g = zarr.open_group(path, mode="r+")
+    g["final_hidden_states"][37, 3] = 0x7FC0  # sample 5's token 2: NaN
+    chunk = path / "final_hidden_states" / "c" / "1" / "0"  # rows 8..15: sample 2, shard 0
+    chunk.write_bytes(chunk.read_bytes()[:-7])
+    (path / "aux_hidden_states" / "c" / "9" / "0" / "0").write_bytes(b"")  # rows 72..79, shard 2
+    k = 40 // g["input_ids"].chunks[0]  # the plan's chunk holding row 40: shard 1
+    ids_chunk = path / "input_ids" / "c" / str(k)
+    ids_chunk.write_bytes(ids_chunk.read_bytes()[:-3])
+    report = verify(path)
+
+    damaged = errors(report, "chunks")
+    assert len(damaged) == 3
+    assert damaged[0].startswith("input_ids: chunk")
+    assert "of committed shard 1 cannot be read (" in damaged[0]
+    assert damaged[1].startswith(
+        "final_hidden_states: chunk 1 (key final_hidden_states/c/1/0, rows 8..15) of committed "
+        "shard 0 cannot be read ("
+    )
+    assert damaged[1].endswith("): sample 2 (s2) unchecked there")
+    assert damaged[2].startswith(
+        "aux_hidden_states: chunk 9 (key aux_hidden_states/c/9/0/0, rows 72..79) of committed "
+        "shard 2 cannot be read ("
+    )
+    assert damaged[2].endswith("): samples 8..9 (s8 .. s9) unchecked there")
+    assert errors(report, "values") == [
+        "sample 5 (s5): 1 rows of final_hidden_states hold non-finite values, first row 37 "
+        "(token 2 of the sample)"
+    ]
+    assert not [f for f in report.findings if "crashed" in f.message]
+    assert main(["--store", str(path)]) == 1
