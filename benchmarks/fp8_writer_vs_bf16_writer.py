@@ -28,15 +28,8 @@ import numpy as np
 import torch
 
 from benchmarks.rounds import alternate
-from benchmarks.writer_vs_tofile import writer_seconds
-from hsx_store.format import (
-    DEFAULT_CODEC,
-    SCHEMA_VERSION,
-    Manifest,
-    Store,
-    create_store,
-    default_chunk_tokens,
-)
+from benchmarks.writer_vs_tofile import new_store, writer_seconds
+from hsx_store.format import DEFAULT_CODEC, default_chunk_tokens
 from hsx_store.fp8 import FP8_DTYPE, Fp8Rows, quantize, quantize_rows
 
 TARGET = 0.95
@@ -60,38 +53,13 @@ def server_quantized(samples: list[Sample]) -> list[tuple[Fp8Rows, ...]]:
     return [tuple(Fp8Rows(*quantize_rows(x)) for x in s) for s in samples]
 
 
-def new_store(root: Path, samples: list[Sample], dtype: str, per_shard: int) -> Store:
-    aux = samples[0][0]
-    tokens, num_aux, hidden = aux.shape
-    manifest = Manifest(
-        schema_version=SCHEMA_VERSION,
-        model="bench",
-        model_config_hash="",
-        tokenizer_hash="",
-        weights_fingerprint="",
-        chat_template_hash=None,
-        layer_ids=list(range(num_aux)),
-        layer_convention="bench",
-        final_states=["post_norm", "pre_norm"],
-        hidden_size=hidden,
-        num_aux=num_aux,
-        dtype=dtype,
-        max_length=tokens,
-        codec=DEFAULT_CODEC,
-        chunk_tokens=default_chunk_tokens(num_aux, hidden),
-        samples_per_shard=per_shard,
-    )
-    path = root / "store.zarr"
-    ids = [np.zeros(tokens, np.int32) for _ in samples]
-    masks = [np.ones(tokens, np.uint8) for _ in samples]
-    create_store(path, manifest, [str(i) for i in range(len(samples))], ids, masks)
-    return Store.open(path, mode="r+")
-
-
 def writer_rate(root: Path, samples: list, dtype: str, per_shard: int, nbytes: int) -> float:
     """GB/s of bf16 input: every shard of a fresh store written and committed (the store's
     creation untimed, as the driver's)."""
-    seconds = writer_seconds(samples, new_store(root, samples, dtype, per_shard), threads=2)
+    num_aux, hidden = samples[0][0].shape[1:]
+    chunk = default_chunk_tokens(num_aux, hidden)
+    store = new_store(samples, root, DEFAULT_CODEC, chunk, per_shard, dtype)
+    seconds = writer_seconds(samples, store, threads=2)
     shutil.rmtree(root / "store.zarr")
     return nbytes / seconds / 1e9
 

@@ -41,7 +41,7 @@ from hsx_store.format import (
 )
 
 TARGET = 0.8
-Samples = list[tuple[torch.Tensor, torch.Tensor]]
+Samples = list[tuple[torch.Tensor, ...]]  # (aux, post-norm[, pre-norm]) per sample
 Config = tuple[dict[str, Any], int, int]  # codec, chunk_tokens, threads
 
 
@@ -109,8 +109,11 @@ def _samples_in(starts: np.ndarray, samples: Samples, lo: int, hi: int) -> range
     return range(int(np.searchsorted(ends, lo, "right")), int(np.searchsorted(starts, hi)))
 
 
-def bench_manifest(samples: Samples, codec: dict[str, Any], chunk: int, per_shard: int) -> Manifest:
-    """The manifest of a store for these synthetic rows (no model behind it)."""
+def bench_manifest(
+    samples: Samples, codec: dict[str, Any], chunk: int, per_shard: int, dtype: str = "bfloat16"
+) -> Manifest:
+    """The manifest of a store for these synthetic rows (no model behind it): (aux, post-norm)
+    per sample, or (aux, post-norm, pre-norm)."""
     aux0 = samples[0][0]
     return Manifest(
         schema_version=SCHEMA_VERSION,
@@ -121,22 +124,29 @@ def bench_manifest(samples: Samples, codec: dict[str, Any], chunk: int, per_shar
         chat_template_hash=None,
         layer_ids=list(range(aux0.shape[1])),
         layer_convention="bench",
-        final_states=["post_norm"],
+        final_states=["post_norm", "pre_norm"][: len(samples[0]) - 1],
         hidden_size=aux0.shape[2],
         num_aux=aux0.shape[1],
-        dtype="bfloat16",
-        max_length=max(len(a) for a, _ in samples),
+        dtype=dtype,
+        max_length=max(a.shape[0] for a, *_ in samples),
         codec=codec,
         chunk_tokens=chunk,
         samples_per_shard=per_shard,
     )
 
 
-def new_store(samples: Samples, root: Path, codec: dict[str, Any], chunk: int, per_shard: int):
-    manifest = bench_manifest(samples, codec, chunk, per_shard)
+def new_store(
+    samples: Samples,
+    root: Path,
+    codec: dict[str, Any],
+    chunk: int,
+    per_shard: int,
+    dtype: str = "bfloat16",
+) -> Store:
+    manifest = bench_manifest(samples, codec, chunk, per_shard, dtype)
     path = root / "store.zarr"
-    ids = [np.zeros(len(a), np.int32) for a, _ in samples]
-    masks = [np.ones(len(a), np.uint8) for a, _ in samples]
+    ids = [np.zeros(a.shape[0], np.int32) for a, *_ in samples]
+    masks = [np.ones(a.shape[0], np.uint8) for a, *_ in samples]
     create_store(path, manifest, [str(i) for i in range(len(samples))], ids, masks)
     return Store.open(path, mode="r+")
 
