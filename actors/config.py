@@ -157,6 +157,9 @@ class WorkerConfig(Section):
     ray_configs/README.md says."""
     log_root: str | None = None
     """Where the servers' logs go (private, kept if the worker failed); null: the temp dir."""
+    log_retention_s: float = Field(3 * 24 * 3600, ge=0)
+    """How long the log of a worker that failed or was killed stays on its node; the next worker
+    there removes older ones (and, at once, every dump a dead worker left)."""
     max_pending_bytes: int = Field(4 << 30, ge=1 << 20)
     """Captured bytes a server may hold unpublished before its forward waits (per DP rank;
     back-pressure, never a dropped capture)."""

@@ -18,7 +18,6 @@ import contextlib
 import functools
 import logging
 import os
-import shutil
 import socket
 import tempfile
 import time
@@ -42,9 +41,11 @@ from actors.capture_client import (
     generate_and_capture,
     wait_for_dump,
 )
-from actors.config import WorkerJobConfig
+from actors.config import WorkerConfig, WorkerJobConfig
 from actors.dump_checks import DumpMismatch, check_dump
 from actors.lease_keeper import Lease, LeaseKeeper, LeaseLost, ray_caller
+from actors.private_folders import HeldFolder, reclaim_abandoned
+from actors.process_group import reclaim_orphan_segments
 from actors.sglang_server import ServerError, ServerSpec, SGLangServer
 from actors.shard_writer import ShardWriter
 from actors.worker_metrics import WorkerMetrics
@@ -58,6 +59,7 @@ logger = logging.getLogger(__name__)
 
 
 RID_PREFIX = "hsx-"  # the plugin captures only requests whose rid starts with it
+DUMPS_PREFIX, LOGS_PREFIX = "hsx-dumps-", "hsx-worker-"  # a worker's folders on its node
 
 
 class ModelMismatch(RuntimeError):
@@ -82,13 +84,14 @@ class NodeWorker:
             job.model.path, trust_remote_code=job.model.trust_remote_code
         )
         self.probe_ids: list[int] = tokenizer(PROBE_TEXT)["input_ids"]
-        self.dump_dir = Path(self.config.dump_root) / f"hsx-dumps-{self.id}-{uuid.uuid4().hex[:8]}"
+        # Private folders, locked while this worker lives: what a killed worker left on this
+        # node goes first (actors/private_folders.py). Dumps in /dev/shm (RAM), the server's log
+        # on disk, kept a while if the worker failed.
+        self._reclaim_abandoned()
+        self.dumps = HeldFolder.claim(self.dump_root, f"{DUMPS_PREFIX}{self.id}-")
+        self.logs = HeldFolder.claim(self.log_root, f"{LOGS_PREFIX}{self.id}-")
+        self.dump_dir, self.log_dir = self.dumps.path, self.logs.path
         self.server_dumps = self.dump_dir / "server-0"  # this server start's (see _start_server)
-        # On disk, not in /dev/shm (it would hold RAM for as long as the machine is up), private
-        # (mkdtemp: 0700), and removed with the worker unless it failed.
-        self.log_dir = Path(
-            tempfile.mkdtemp(prefix=f"hsx-worker-{self.id}-", dir=self.config.log_root)
-        )
         self.server: SGLangServer | None = None
         self.calibration: Calibration | None = None
         self.metrics = WorkerMetrics(self.id)
@@ -156,9 +159,20 @@ class NodeWorker:
         if self.server is not None:
             self.server.stop()
             self.server = None
-        shutil.rmtree(self.dump_dir, ignore_errors=True)
-        if not keep_log:
-            shutil.rmtree(self.log_dir, ignore_errors=True)
+        self.dumps.release()
+        self.logs.release(remove=not keep_log)
+        self._reclaim_abandoned()  # what workers killed meanwhile left (at a job's end: all)
+
+    @property
+    def dump_root(self) -> Path:
+        return dump_root(self.config)
+
+    @property
+    def log_root(self) -> Path:
+        return log_root(self.config)
+
+    def _reclaim_abandoned(self) -> None:
+        reclaim_node(self.config)
 
     def _check_model(self) -> None:
         """Refuse to extend the store with another checkpoint than the one that planned it (a
@@ -202,6 +216,7 @@ class NodeWorker:
             extra_args=self.job.server_args(),
         )
         self.server = SGLangServer(spec, self.server_log).start(server.start_timeout_s)
+        self.dumps.list_shm_files(self.server.shm_files)  # should this worker be killed
         self.calibration = calibrate(
             self.server,
             self.store.manifest,
@@ -471,3 +486,37 @@ def _release_unconsumed(futures: list[Future[Any]]) -> None:
         path = future.result().dump_path
         with contextlib.suppress(CaptureError):  # never published: nothing to release
             release_dump(wait_for_dump(path, timeout=30))
+
+
+def dump_root(config: WorkerConfig) -> Path:
+    return Path(config.dump_root)
+
+
+def log_root(config: WorkerConfig) -> Path:
+    return Path(config.log_root or tempfile.gettempdir())
+
+
+def reclaim_node(config: WorkerConfig) -> list[Path]:
+    """Remove what dead workers left on this node: their dump folders and the SGLang segments no
+    process holds, at once; their logs once `log_retention_s` old. The folders removed."""
+    removed = reclaim_abandoned(dump_root(config), DUMPS_PREFIX)
+    reclaim_orphan_segments()
+    return removed + reclaim_abandoned(log_root(config), LOGS_PREFIX, keep_s=config.log_retention_s)
+
+
+@ray.remote(num_cpus=0)
+def reclaim_after(config: WorkerConfig, worker_ids: list[str], timeout_s: float = 60.0) -> int:
+    """The node-level sweep the driver runs at a job's end where workers ended without their
+    cleanup (stopped with ray.kill, killed, failed): once those workers are gone (ray.kill
+    returns before the process dies), what they left goes. The folders removed."""
+    deadline, removed = time.monotonic() + timeout_s, 0
+    while True:
+        removed += len(reclaim_node(config))
+        left = [
+            folder
+            for worker_id in worker_ids
+            for folder in dump_root(config).glob(f"{DUMPS_PREFIX}{worker_id}-*")
+        ]
+        if not left or time.monotonic() > deadline:
+            return removed
+        time.sleep(0.5)

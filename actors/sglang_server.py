@@ -14,11 +14,9 @@ The flags: docs/design/capture-plugin.md; the keys and files: docs/security.md.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import secrets
-import signal
 import socket
 import subprocess
 import sys
@@ -30,6 +28,7 @@ from pathlib import Path
 import requests
 import torch
 
+from actors.process_group import group_pids, kill_group, shm_files
 from actors.server_log import RedactedLog
 from patches.settings import CaptureSettings
 
@@ -145,6 +144,7 @@ class SGLangServer:
         self.session = requests.Session()  # for every request to this server: it sends the key
         self.session.headers["Authorization"] = f"Bearer {self._api_key}"
         self._log: RedactedLog | None = None
+        self.shm_files: list[Path] = []  # its segments in /dev/shm; stop() removes them
 
     def start(self, timeout: float = 180.0) -> SGLangServer:
         """Start the server and return once /health answers; raise with the log tail if not."""
@@ -165,6 +165,7 @@ class SGLangServer:
             keys = (self._api_key, self._admin_api_key)
             self._log = RedactedLog(self.process.stdout, self.log_path, keys)
             self.wait_healthy(timeout)
+            self.shm_files = shm_files(group_pids(self.process.pid))
         except BaseException:
             self.stop()
             raise
@@ -204,14 +205,18 @@ class SGLangServer:
         """KILL the process group. SGLang's own shutdown (SIGTERM) took 6-7 s here, draining
         and then sleeping 5 s for crash diagnostics once a child died first, and does nothing
         this server needs: its requests are answered or abandoned, its dumps are the caller's
-        to clear (what it never published, the next start clears)."""
+        to clear (what it never published, the next start clears). What it made in /dev/shm
+        goes with it (process_group.py says how)."""
         if self.process is None:
             return
-        with contextlib.suppress(ProcessLookupError):  # gone already
-            os.killpg(self.process.pid, signal.SIGKILL)
+        members = group_pids(self.process.pid)
+        self.shm_files = sorted({*self.shm_files, *shm_files(members)})  # a start cut short too
+        kill_group(self.process.pid)
         _wait_group_gone(self.process, 10.0)
         self.process.wait(timeout=5)
         self.process = None
+        for path in self.shm_files:
+            path.unlink(missing_ok=True)
         if self._log is not None:
             self._log.close()
 

@@ -17,6 +17,7 @@ Details: docs/running-a-job.md.
 
 from __future__ import annotations
 
+import contextlib
 import sys
 import time
 from collections import Counter
@@ -27,7 +28,7 @@ import ray
 from ray.exceptions import GetTimeoutError, RayActorError, RayError
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-from actors.node_worker import NodeWorker
+from actors.node_worker import NodeWorker, reclaim_after
 from cluster.config import JobConfig
 from cluster.job_store import open_or_create
 from cluster.placement import NodePlan, PlacementError, plan_node, resource_share
@@ -36,6 +37,8 @@ from cluster.progress_log import ProgressLog
 from cluster.report import ProgressMeter, build_report, format_report
 from cluster.shard_queue import QueueStatus, ShardQueueActor
 from hsx_store.location import describe_failure
+
+RECLAIM_WAIT_S = 90.0  # the job's end waits this long at most for its nodes' sweeps
 
 
 @dataclass
@@ -54,6 +57,8 @@ class Driver:
     node_failures: dict[tuple[str, int], int] = field(default_factory=dict)  # (node, slot)
     node_plans: dict[str, NodePlan | PlacementError] = field(default_factory=dict)  # by node
     workers_lost: list[dict[str, str]] = field(default_factory=list)
+    # workers that ended without their own cleanup (killed, failed, stopped), by node
+    uncleaned: dict[str, list[str]] = field(default_factory=dict)
     incarnation: int = 0
     # a terminal: every progress line (the stdout of the moment, not the one at import)
     live: bool = field(default_factory=lambda: sys.stdout.isatty())
@@ -98,6 +103,7 @@ class Driver:
                 if feed is not None and feed.is_alive():
                     feed.stop()
                 ray.kill(queue)
+                self._reclaim_nodes()
         summaries = status.summaries if status else {}
         report = build_report(
             store,
@@ -170,7 +176,7 @@ class Driver:
     def _stop_workers(self, why: str) -> None:
         for ref, running in list(self.workers.items()):
             self.say(f"{running.worker_id}: stopping it ({why})")
-            ray.kill(running.handle, no_restart=True)
+            self._kill(running)
             del self.workers[ref]
 
     def _stop_lingering_workers(self) -> None:
@@ -179,8 +185,33 @@ class Driver:
                 f"{running.worker_id}: still busy {self.config.driver.finish_grace_s:.0f} s after "
                 "every shard was done (a straggler whose shard a duplicate committed); stopping it"
             )
-            ray.kill(running.handle, no_restart=True)
+            self._kill(running)
             del self.workers[ref]
+
+    def _kill(self, running: _Running) -> None:
+        """Stop a worker at once. No cleanup of its own runs (Ray documents it): the node's
+        sweep at the job's end (_reclaim_nodes) removes what it left."""
+        ray.kill(running.handle, no_restart=True)
+        self.uncleaned.setdefault(running.node_id, []).append(running.worker_id)
+
+    def _reclaim_nodes(self) -> None:
+        """On each node where a worker ended without its cleanup, once it is gone, remove what
+        it left (actors/node_worker.py `reclaim_after`); a node lost meanwhile is skipped."""
+        if not self.uncleaned:
+            return
+        sweeps = {
+            reclaim_after.options(
+                scheduling_strategy=NodeAffinitySchedulingStrategy(node_id, soft=False)
+            ).remote(self.config.worker, worker_ids): node_id
+            for node_id, worker_ids in self.uncleaned.items()
+        }
+        ready, _ = ray.wait(list(sweeps), num_returns=len(sweeps), timeout=RECLAIM_WAIT_S)
+        removed = 0
+        for ref in ready:
+            with contextlib.suppress(RayError):  # the node is gone, and what it held with it
+                removed += ray.get(ref)
+        if removed:
+            self.say(f"removed {removed} folder(s) that stopped or lost workers left behind")
 
     def _reap(self, ref: Any, queue: Any) -> None:
         running = self.workers.pop(ref)
@@ -202,7 +233,7 @@ class Driver:
             f"(failures in its slot {self.node_failures[slot]}"
             f"/{self.config.worker.max_node_failures})\n{detail[-2000:]}"
         )
-        ray.kill(running.handle, no_restart=True)  # a failed actor may still hold its server
+        self._kill(running)  # a failed actor may still hold its server
 
     def _usable_nodes(self) -> list[tuple[dict[str, Any], NodePlan]]:
         """Alive nodes advertising `worker.node_resource`, with the servers each hosts. A node

@@ -20,6 +20,7 @@ import ray
 import yaml
 from ray.cluster_utils import Cluster
 
+from actors.private_folders import SHM_ROOT
 from cluster import plan_sources
 from cluster.config import parse_config
 from cluster.driver import Driver, _Running, run_job
@@ -125,7 +126,9 @@ def test_two_servers_on_one_node_and_a_killed_one_is_replaced_in_its_slot_exactl
 
     monkeypatch.setattr(PlanFeed, "_feed", held_feed)
     raw = job_config(deepseek_path, tmp_path / "prompts.jsonl", tmp_path / "s.zarr", tmp_path)
-    raw["worker"].update(node_resource=PAIR_NODE, servers_per_node=2)  # one (CPU) node
+    # One (CPU) node; what the killed worker leaves there goes at once (its log too).
+    raw["worker"].update(node_resource=PAIR_NODE, servers_per_node=2, log_retention_s=0)
+    shm_before = server_segments()
     log: list[str] = []
     driver = Driver(parse_config(raw), say=log.append)
     result: list[int] = []
@@ -166,6 +169,14 @@ def test_two_servers_on_one_node_and_a_killed_one_is_replaced_in_its_slot_exactl
     writers = {store.summary(k)["worker"] for k in range(len(store.shards))}
     assert {w.split("-s")[-1].split("-w")[0] for w in writers} == {"0", "1"}, writers
     assert_store_matches_reference(store, deepseek_path, list(range(len(store.shards))))
+    # The node ends clean: the killed worker's dumps, log and server segments are gone.
+    assert sorted(p.name for p in tmp_path.glob("hsx-*")) == []
+    assert server_segments() - shm_before == set()
+
+
+def server_segments() -> set[str]:
+    """What SGLang servers leave in /dev/shm when killed (their load snapshot, semaphores)."""
+    return {p.name for p in SHM_ROOT.iterdir() if p.name.startswith(("sglang_loads_", "sem.mp-"))}
 
 
 def test_a_straggling_shard_is_run_again_at_the_tail_and_only_the_first_commit_is_visible(
@@ -207,6 +218,7 @@ def test_a_straggling_shard_is_run_again_at_the_tail_and_only_the_first_commit_i
     summary = store.summary(shard)
     assert summary["deferred"] and summary["worker"] != running.worker_id
     assert_store_matches_reference(store, deepseek_path, [shard])
+    assert list(tmp_path.glob("hsx-dumps-*")) == []  # the straggler's too, stopped or not
 
 
 def test_a_job_on_s3_resumes_after_the_driver_is_killed_and_reads_verifies_and_exports_there(
@@ -227,6 +239,7 @@ def test_a_job_on_s3_resumes_after_the_driver_is_killed_and_reads_verifies_and_e
     assert run_job(parse_config(raw), say=log.append) == 0
 
     assert not list(tmp_path.rglob("zarr.json")), "nothing of the store is on local disk"
+    assert list(tmp_path.glob("hsx-dumps-*")) == []  # the killed driver's workers' too
     store = Store.open(url, storage_options=s3.options)
     assert_exactly_once(store, rows, deepseek_path)
     assert {k: store.summary(k) for k in before} == before, "committed shards were not redone"

@@ -1,0 +1,101 @@
+"""kill_group leaves no multiprocessing semaphore in /dev/shm, where a plain SIGKILL of the group
+does (SGLang's processes hold such semaphores); shm_files finds the segments a group maps."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from actors.private_folders import SHM_ROOT
+from actors.process_group import group_pids, kill_group, reclaim_orphan_segments, shm_files
+
+# Like an SGLang server: spawn-started children sharing a named semaphore, and a mapped segment.
+SERVER_LIKE = """
+import mmap, multiprocessing as mp, sys, time
+def child(lock):
+    time.sleep(3600)
+if __name__ == "__main__":
+    ctx = mp.get_context("spawn")
+    lock = ctx.Lock()
+    ctx.Process(target=child, args=(lock,)).start()
+    with open(sys.argv[1], "r+b") as f:
+        segment = mmap.mmap(f.fileno(), 0)
+    print(lock._semlock.name, flush=True)
+    time.sleep(3600)
+"""
+
+
+@pytest.fixture
+def segment() -> Iterator[Path]:
+    path = SHM_ROOT / f"sglang_loads_test_{uuid.uuid4().hex}.shm"
+    path.write_bytes(b"\0" * 4096)
+    yield path
+    path.unlink(missing_ok=True)
+
+
+def start_server_like(segment: Path) -> tuple[subprocess.Popen, Path]:
+    process = subprocess.Popen(
+        [sys.executable, "-c", SERVER_LIKE, str(segment)],
+        stdout=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
+    assert process.stdout is not None
+    semaphore = SHM_ROOT / f"sem.{process.stdout.readline().strip().lstrip('/')}"
+    assert semaphore.exists()
+    return process, semaphore
+
+
+def wait_gone(process: subprocess.Popen) -> None:
+    process.wait(10)
+    deadline = time.monotonic() + 10
+    while group_pids(process.pid):
+        assert time.monotonic() < deadline, "the group outlived its kill"
+        time.sleep(0.05)
+
+
+def test_kill_group_lets_the_resource_tracker_remove_the_semaphores(segment: Path) -> None:
+    process, semaphore = start_server_like(segment)
+    assert len(group_pids(process.pid)) == 3  # itself, its child, the resource tracker
+    assert shm_files(group_pids(process.pid)) == [segment]
+    kill_group(process.pid)
+    wait_gone(process)
+    assert not semaphore.exists()
+
+
+def test_a_plain_kill_of_the_group_leaks_them(segment: Path) -> None:
+    """What kill_group is for: the same group SIGKILLed at once leaves the semaphore."""
+    process, semaphore = start_server_like(segment)
+    try:
+        os.killpg(process.pid, signal.SIGKILL)
+        wait_gone(process)
+        assert semaphore.exists()
+    finally:
+        semaphore.unlink(missing_ok=True)
+
+
+def test_orphan_segments_go_and_held_or_young_ones_stay() -> None:
+    prefix = f"sglang_loads_test_{uuid.uuid4().hex[:8]}_"
+    orphan, held, young = (SHM_ROOT / f"{prefix}{name}.shm" for name in ("orphan", "held", "young"))
+    for path in (orphan, held, young):
+        path.write_bytes(b"\0" * 4096)
+    holder, semaphore = start_server_like(held)  # maps `held`, as a live server does
+    try:
+        old = time.time() - 60
+        for path in (orphan, held):
+            os.utime(path, (old, old))
+        assert reclaim_orphan_segments(prefix) == [orphan]
+        assert held.exists() and young.exists()
+    finally:
+        kill_group(holder.pid)
+        wait_gone(holder)
+        for path in (orphan, held, young, semaphore):
+            path.unlink(missing_ok=True)
