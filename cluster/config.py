@@ -3,12 +3,14 @@
     config = load_config("ray_configs/demo_job.yaml", ["store.url=out/x.zarr", "worker.inflight=4"])
 
 Every field has a default except `model.path`, `data.paths` and `store.url`; unknown fields
-are errors; errors name the field. Relative paths resolve against the current directory.
+are errors; errors name the field. Relative paths resolve against the current directory, except
+in a job `ray job submit` started: there they are refused (see resolve_paths).
 Reference (generated from the field docstrings): docs/configuration.md.
 """
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Any, Literal
 
@@ -166,9 +168,65 @@ def apply_overrides(raw: dict[str, Any], overrides: list[str]) -> dict[str, Any]
     return raw
 
 
+# The fields that hold local paths, (section, field): read by the job, or written.
+INPUT_FIELDS = (("model", "path"), ("data", "paths"), ("data", "chat_template"))
+OUTPUT_FIELDS = (("store", "url"), ("worker", "dump_root"), ("worker", "log_root"))
+
+
+def submitted_job() -> bool:
+    """Whether this process is the entrypoint of a job `ray job submit` started (Ray gives it
+    the job's config in this variable)."""
+    return "RAY_JOB_CONFIG_JSON_ENV_VAR" in os.environ
+
+
+def resolve_paths(raw: dict[str, Any], cwd: Path, submitted: bool) -> list[str]:
+    """Make every relative local path in `raw` absolute against `cwd` (the workers, Ray actors,
+    run in other directories); the problems, one per field.
+
+    A submitted job's entrypoint runs in the copy of its working_dir that Ray made (deleted once
+    unused, and apart on each node), not where the user submitted from. There a relative input
+    is taken from that copy only if it came with the job (the demo's prompts); anything else
+    relative is refused: an input the package left out, and every output (a store written into
+    Ray's copy would be deleted with it)."""
+    problems = []
+
+    def resolve(where: str, value: Any, written: bool) -> Any:
+        local = isinstance(value, str) and value and not is_remote(value)
+        if not local or value.startswith("file://") or Path(value).is_absolute():
+            return value
+        path = cwd / value
+        if submitted and written:
+            problems.append(f"{where}: {value!r} is relative, and would be written into Ray's copy")
+        elif submitted and not path.exists():
+            problems.append(f"{where}: {value!r} is relative, and not in the job's package")
+        return str(path)
+
+    for fields, written in ((INPUT_FIELDS, False), (OUTPUT_FIELDS, True)):
+        for section, field in fields:
+            values = raw.get(section)
+            if not isinstance(values, dict) or field not in values:
+                continue
+            value, where = values[field], f"{section}.{field}"
+            if (section, field) == ("data", "chat_template") and value == "model":
+                continue
+            if isinstance(value, list):
+                values[field] = [resolve(f"{where}[{i}]", v, written) for i, v in enumerate(value)]
+            else:
+                values[field] = resolve(where, value, written)
+    return problems
+
+
 def parse_config(raw: Any) -> JobConfig:
     if not isinstance(raw, dict):
         raise ConfigError(f"the job config must be a mapping of sections, got {type(raw).__name__}")
+    raw = {name: dict(v) if isinstance(v, dict) else v for name, v in raw.items()}  # ours
+    if problems := resolve_paths(raw, Path.cwd(), submitted_job()):
+        raise ConfigError(
+            "relative paths in a job that `ray job submit` started, which runs in Ray's "
+            f"temporary copy of its working_dir ({Path.cwd()}):\n  "
+            + "\n  ".join(problems)
+            + "\ngive absolute paths (the same on every node) or object storage URLs"
+        )
     try:
         return JobConfig.model_validate(raw)
     except ValidationError as exc:

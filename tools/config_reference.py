@@ -48,8 +48,10 @@ A job is one YAML file with the sections below, run with
 - Unknown sections and fields are errors: a typo never falls back to a default silently.
 - A bad config exits 2 before Ray or any server starts, naming every bad field:
   `data.max_length: Input should be greater than or equal to 1`.
-- Relative paths resolve against the current directory (under `ray job submit`: the job's
-  working directory).
+- Relative paths resolve against the current directory. Under `ray job submit` the job runs in
+  Ray's temporary copy of its `working_dir`, so there a relative input is read from that copy
+  only if it came with the job (the demo's prompts), and any other relative path (the store, a
+  model the package leaves out) is refused with exit 2: give absolute paths or URLs.
 - Overrides: `--set section.field=VALUE`, repeated as needed, applied on top of the file.
   VALUE is parsed as YAML: `--set model.aux_layer_ids=[2,30,58]`, `--set store.prenorm=false`,
   `--set queue.margin_s=null`. Shortcuts: `--model PATH` (`model.path`), `--data PATH...`

@@ -195,3 +195,50 @@ def test_a_model_directory_that_cannot_size_the_capture_is_exit_2_before_a_store
         assert cli_main([*args, "--store", given["store"]["url"]]) == 2
         assert f"error: invalid job config:\n  {message}" in capsys.readouterr().err
     assert not (tmp_path / "s.zarr").exists()
+
+
+def test_relative_paths_resolve_against_the_current_directory(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.chdir(tmp_path)
+    raw = {
+        "model": {"path": "models/m"},
+        "data": {"paths": ["a.jsonl", str(tmp_path / "b.jsonl")], "chat_template": "model"},
+        "store": {"url": "out/s.zarr"},
+        "worker": {"dump_root": "shm", "log_root": None},
+    }
+    config = parse_config(raw)
+    assert config.model.path == str(tmp_path / "models/m")
+    assert config.data.paths == [str(tmp_path / "a.jsonl"), str(tmp_path / "b.jsonl")]
+    assert config.store.url == str(tmp_path / "out/s.zarr")
+    assert (config.worker.dump_root, config.worker.log_root) == (str(tmp_path / "shm"), None)
+    assert config.data.chat_template == "model" and raw["store"]["url"] == "out/s.zarr"
+    remote = parse_config({**raw, "store": {"url": "s3://bucket/s.zarr"}})
+    assert remote.store.url == "s3://bucket/s.zarr"
+
+
+def test_a_submitted_job_refuses_relative_outputs_and_inputs_it_did_not_bring(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Under `ray job submit` the current directory is Ray's copy of the job's package."""
+    package = tmp_path / "_ray_pkg_0123"
+    (package / "ray_configs").mkdir(parents=True)
+    (package / "ray_configs" / "prompts.jsonl").write_text('{"text": "hello"}\n')
+    monkeypatch.chdir(package)
+    monkeypatch.setenv("RAY_JOB_CONFIG_JSON_ENV_VAR", '{"runtime_env": {}}')
+    args = ["run", "--model", ".cache/models/m", "--data", "ray_configs/prompts.jsonl"]
+    assert cli_main([*args, "--store", "relative-demo.zarr"]) == 2
+    err = capsys.readouterr().err
+    assert f"Ray's temporary copy of its working_dir ({package})" in err
+    assert "model.path: '.cache/models/m' is relative, and not in the job's package" in err
+    assert "store.url: 'relative-demo.zarr' is relative, and would be written into" in err
+    assert "data.paths" not in err  # it came with the job
+    assert not (package / "relative-demo.zarr").exists()
+
+    raw = {
+        "model": {"path": str(tmp_path)},
+        "data": {"paths": ["ray_configs/prompts.jsonl"]},
+        "store": {"url": str(tmp_path / "s.zarr")},
+    }
+    config = parse_config(raw)
+    assert config.data.paths == [str(package / "ray_configs" / "prompts.jsonl")]

@@ -41,12 +41,12 @@ def test_job_config_validates(path: Path) -> None:
 
 
 def test_demo_job() -> None:
-    config = load_config(RAY_CONFIGS / "demo_job.yaml")
-    assert config.model.path == ".cache/models/deepseek-v3-tiny"
+    config = load_config(RAY_CONFIGS / "demo_job.yaml")  # relative paths: against the cwd
+    assert config.model.path == str(Path.cwd() / ".cache/models/deepseek-v3-tiny")
     assert config.model.dtype == "float32"
     assert config.model.aux_layer_ids == [0, 1, 3]
-    assert config.data.paths == ["ray_configs/demo_prompts.jsonl"]
-    assert config.store.url == "out/demo.zarr"
+    assert config.data.paths == [str(Path.cwd() / "ray_configs/demo_prompts.jsonl")]
+    assert config.store.url == str(Path.cwd() / "out/demo.zarr")
     assert (config.store.samples_per_shard, config.store.chunk_tokens) == (4, 64)
     assert config.worker.inflight == 4
     assert config.server.max_total_tokens == 8192
