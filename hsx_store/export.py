@@ -516,9 +516,9 @@ def _begin(
         _write_doc(out, {**doc, "exported": []})
         return doc
     try:
-        old = json.loads(path.read_text())
-    except (OSError, ValueError) as exc:
-        raise ExportConflict(f"{path}: unreadable ({exc}); refusing to write into {out}") from exc
+        old = read_doc(path)
+    except ExportError as exc:
+        raise ExportConflict(f"{exc}; refusing to write into {out}") from None
     differ = _differences(old, identity)
     for index, sid in old.get("exported", []):
         if not (0 <= index < len(sample_ids)) or sample_ids[index] != sid:
@@ -573,9 +573,34 @@ def _layout(fmt: str, m: Manifest) -> dict[str, str]:
     }
 
 
+def read_doc(path: Path) -> dict:
+    """export.json, checked for what is read of it: a mapping whose `exported` is a list of
+    [sample index, sample id] pairs. ExportError names the file and what is wrong."""
+    try:
+        doc = json.loads(path.read_text())
+    except (OSError, ValueError) as exc:
+        raise ExportError(f"{path}: unreadable ({exc})") from None
+    if not isinstance(doc, dict):
+        raise ExportError(f"{path}: not an export's record (a {type(doc).__name__}, not a mapping)")
+    exported = doc.get("exported")
+    listed = isinstance(exported, list)
+    strays = [p for p in exported if not _is_pair(p)][:1] if listed else [exported]
+    if strays:
+        raise ExportError(
+            f"{path}: `exported` must list [sample index, sample id] pairs, found {strays[0]!r:.80}"
+        )
+    return doc
+
+
+def _is_pair(item: Any) -> bool:
+    return (
+        isinstance(item, list) and len(item) == 2 and type(item[0]) is int and type(item[1]) is str
+    )
+
+
 @functools.lru_cache(maxsize=4)
 def _cached_ids(path: str, mtime_ns: int, fmt: str) -> tuple[dict[int, str], str | None]:
-    doc = json.loads(Path(path).read_text())
+    doc = read_doc(Path(path))
     if doc.get("format") != fmt:
         raise ExportError(f"{path}: a {doc.get('format')!r} export, not {fmt!r}")
     return {int(i): str(sid) for i, sid in doc["exported"]}, doc.get("last_slot")

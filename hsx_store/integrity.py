@@ -446,6 +446,7 @@ class _Verifier:
             self.report.error(
                 "layout", f"samples {self.name(a)} and {self.name(b)} overlap at row {starts[b]}"
             )
+        self.check_unique_ids()
         for sh in self.store.shards:
             if starts[sh.sample_begin] % m.chunk_tokens:
                 self.report.error(
@@ -453,6 +454,19 @@ class _Verifier:
                     f"shard {sh.index} starts at row {starts[sh.sample_begin]}, not on a chunk "
                     f"boundary (chunk_tokens {m.chunk_tokens})",
                 )
+
+    def check_unique_ids(self) -> None:
+        """Every sample id names one sample (readers and exports find samples by id)."""
+        if self.ids is None:
+            return
+        ids, counts = np.unique(self.ids, return_counts=True)
+        for k in np.flatnonzero(counts > 1)[:20].tolist():
+            again = np.flatnonzero(self.ids == ids[k])
+            self.report.error(
+                "layout",
+                f"sample id {str(ids[k])!r} is stored for {counts[k]} samples: "
+                + ", ".join(map(str, again[:5].tolist())),
+            )
 
     # -- commits --
 

@@ -45,8 +45,11 @@ CLIENT_DURATIONS = (
 BACKOFF_DURATIONS = ("init_backoff", "max_backoff")
 OBSTORE_MAX_BACKOFF = datetime.timedelta(seconds=15)  # obstore's default where none is set
 _DURATION_UNITS = {"ms": 1e-3, "s": 1.0, "sec": 1.0, "m": 60.0, "min": 60.0, "h": 3600.0}
-SECRET_KEYS = ("secret_access_key", "aws_secret_access_key", "session_token", "token")
-SECRET_ENV = ("AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN")
+# What names a secret, in obstore's option keys (S3, Azure, GCS: aws_session_token,
+# azure_storage_account_key, azure_storage_sas_key, azure_client_secret, google_service_account_key,
+# bearer_token, ...) and in the environment variables they come from.
+SECRET_WORDS = ("secret", "token", "password", "key", "sas", "credential")
+SECRET_ENV_PREFIXES = ("AWS_", "AZURE_", "GOOGLE_", "GCS_", "OBJECT_STORE_")
 
 
 class StoreAccessError(RuntimeError):
@@ -153,11 +156,19 @@ def describe_failure(
     url: str | Path, exc: BaseException, storage_options: Mapping[str, Any] | None = None
 ) -> str:
     """`url: <what went wrong>`, with every known secret value masked."""
-    text = f"{url}: {type(exc).__name__}: {exc}"
-    secrets = [os.environ.get(name, "") for name in SECRET_ENV]
-    secrets += [str(v) for k, v in (storage_options or {}).items() if k.lower() in SECRET_KEYS]
-    for secret in filter(None, secrets):
-        text = text.replace(secret, "***")
+    return mask_secrets(f"{url}: {type(exc).__name__}: {exc}", storage_options)
+
+
+def mask_secrets(text: str, storage_options: Mapping[str, Any] | None = None) -> str:
+    """`text` with the value of every storage option and object-storage environment variable
+    whose name says secret (SECRET_WORDS) masked. Masking a key id too is harmless; values
+    under 4 characters are left (they would mask ordinary text)."""
+    named = [(k, v) for k, v in os.environ.items() if k.upper().startswith(SECRET_ENV_PREFIXES)]
+    named += list((storage_options or {}).items())
+    secrets = {str(v) for k, v in named if any(w in k.lower() for w in SECRET_WORDS)}
+    for secret in sorted(secrets, key=len, reverse=True):  # a secret inside another: longest first
+        if len(secret) >= 4:
+            text = text.replace(secret, "***")
     return text
 
 

@@ -248,6 +248,28 @@ def test_a_directory_of_another_store_format_or_origin_is_refused(
         export(url, foreign, "specforge", say=lambda _: None)
 
 
+@pytest.mark.parametrize(
+    "text,problem",
+    [
+        ("{not json", r"unreadable \(Expecting property name"),
+        ("[1, 2]", r"not an export's record \(a list, not a mapping\)"),
+        ('{"exported": {"0": "a"}}', r"`exported` must list .* found \{'0': 'a'\}"),
+        ('{"exported": [[0, "a"], ["1", "b"]]}', r"`exported` must list .* found \['1', 'b'\]"),
+    ],
+)
+def test_a_damaged_export_json_is_named_by_export_and_by_readers(
+    tmp_path: Path, store_url: tuple[str, list[int]], text: str, problem: str
+) -> None:
+    url, _ = store_url
+    out = tmp_path / "out"
+    export(url, out, "specforge", say=lambda _: None)
+    (out / "export.json").write_text(text)
+    with pytest.raises(ExportConflict, match=rf"export\.json: {problem}.*refusing to write"):
+        export(url, out, "specforge", say=lambda _: None)
+    with pytest.raises(ExportError, match=rf"export\.json: {problem}"):
+        read_exported(out, "specforge", 0)
+
+
 def test_a_store_whose_sample_ids_repeat_is_refused_before_anything_is_written(
     tmp_path: Path, store_url: tuple[str, list[int]]
 ) -> None:

@@ -294,3 +294,12 @@ def test_every_damaged_chunk_is_named_and_the_checks_go_on_past_them(tmp_path: P
     ]
     assert not [f for f in report.findings if "crashed" in f.message]
     assert main(["--store", str(path)]) == 1
+
+
+def test_a_sample_id_stored_twice_is_named(tmp_path: Path) -> None:
+    path = build_store(tmp_path / "s.zarr")
+    ids = zarr.open_group(path, mode="r+")["sample_id"]
+    ids[4] = ids[1]
+    report = verify(path)
+    assert report.exit_code == 1
+    assert errors(report) == ["sample id 's1' is stored for 2 samples: 1, 4"]
