@@ -33,7 +33,7 @@ import torch
 from safetensors import safe_open
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from hsx_store.fp8 import quantize, quantize_rows
+from hsx_store.fp8 import quantize, quantize_rows_fast
 from patches.dump_files import read_dump, release_dump
 from patches.dump_writer import DumpWriter
 from patches.host_regions import populate
@@ -164,8 +164,8 @@ def one_dump(
     t = time.perf_counter()
     pd = w.open(name, FP8_SPEC if fp8 else SPEC, {"rid": name})
     if fp8:
-        pd.fill_converted(("aux", "aux_scale"), 0, aux.view(T, 3, H), quantize_rows)
-        pd.fill_converted(("final", "final_scale"), 0, final, quantize_rows)
+        pd.fill_converted(("aux", "aux_scale"), 0, aux.view(T, 3, H), quantize_rows_fast)
+        pd.fill_converted(("final", "final_scale"), 0, final, quantize_rows_fast)
     else:
         pd.fill("aux", 0, aux)
         pd.fill("final", 0, final)

@@ -26,7 +26,7 @@ from typing import Any
 
 import torch
 
-from hsx_store.fp8 import quantize_rows, scale_name
+from hsx_store.fp8 import quantize_rows_fast, scale_name
 from patches.dump_files import DUMP_FORMAT, DUMP_FORMAT_VERSION, LAYER_CONVENTION, TensorSpecs
 from patches.dump_writer import DumpWriter, PendingDump
 from patches.settings import META_INFO_KEY, CaptureSettings
@@ -145,7 +145,7 @@ class CaptureSession:
         for name, state in states.items():
             if self.settings.quantize:
                 keys = (name, scale_name(name))
-                dump.pending.fill_converted(keys, start, state, quantize_rows)
+                dump.pending.fill_converted(keys, start, state, quantize_rows_fast)
             else:
                 dump.pending.fill(name, start, state)
         dump.pending.fill("input_ids", start, forward_batch.input_ids[rows].to(torch.int64))

@@ -21,6 +21,7 @@ from hsx_store.format import Store
 from hsx_store.fp8 import Fp8Rows, dequantize, invalid_rows, quantize, quantize_rows
 from hsx_store.integrity import verify_store
 from hsx_store.reader import HiddenStatesDataset, HiddenStatesIterable
+from tests.helpers.fp8_rows import edge_rows, every_finite_bf16, every_value_under_every_scale, rows
 from tests.helpers.synthetic import LENGTHS, NUM_AUX, H, new_store
 
 # e4m3 keeps 3 mantissa bits: a normal value's rounding error is at most 2 ** -4 relative.
@@ -29,12 +30,6 @@ from tests.helpers.synthetic import LENGTHS, NUM_AUX, H, new_store
 MAX_VALUE_ERROR = 2**-4
 
 MAX_ROW_ERROR, MIN_ROW_COS = 0.03, 0.9995
-
-
-def rows(n: int, width: int = 1024, seed: int = 0) -> torch.Tensor:
-    g = torch.Generator().manual_seed(seed)
-    magnitude = 10.0 ** torch.empty(n, 1).uniform_(-3, 3, generator=g)
-    return (torch.randn(n, width, generator=g) * magnitude).to(torch.bfloat16)
 
 
 def test_round_trip_error_is_bounded_and_scales_are_powers_of_two() -> None:
@@ -54,26 +49,6 @@ def test_round_trip_error_is_bounded_and_scales_are_powers_of_two() -> None:
     assert ((wrong - xf).norm(dim=1) / xf.norm(dim=1)).max() > MAX_ROW_ERROR
 
 
-def every_finite_bf16() -> torch.Tensor:
-    """Every finite bf16 bit pattern, 256 to a row (rows of ~one binade each)."""
-    x = torch.arange(-(1 << 15), 1 << 15, dtype=torch.int32).to(torch.int16).view(torch.bfloat16)
-    return x[torch.isfinite(x)].reshape(-1, 256)
-
-
-def edge_rows() -> torch.Tensor:
-    """Finite rows at the ends of bf16's range."""
-    bf16 = torch.finfo(torch.bfloat16)
-    x = torch.zeros(7, 16)
-    x[0, :3] = torch.tensor([1e-37, -3e-38, 1e-39])  # max ~2**-123: 2**(8 - e) leaves float32
-    x[1, :3] = torch.tensor([bf16.max, -bf16.max, 1.0])  # the top binade: 256 * 2**120 is inf
-    x[2, 0] = bf16.smallest_normal * 2**-7  # bf16's smallest subnormal, alone
-    x[3] = -0.0
-    x[4, :2] = torch.tensor([3e38, 2**-100])
-    x[5] = torch.randn(16, generator=torch.Generator().manual_seed(1)) * 2**-128  # subnormals
-    x[6, :2] = torch.tensor([2**127, -(2**127) * 1.9375])  # the top binade's rounding edge
-    return x.to(torch.bfloat16)
-
-
 @pytest.mark.parametrize("case", ["every finite bf16", "edges", "random"])
 def test_every_finite_row_round_trips_within_the_bound(case: str) -> None:
     x = {"every finite bf16": every_finite_bf16, "edges": edge_rows, "random": lambda: rows(512)}
@@ -84,21 +59,6 @@ def test_every_finite_row_round_trips_within_the_bound(case: str) -> None:
     bound = torch.maximum(MAX_VALUE_ERROR * xf.abs(), torch.from_numpy(scales)[:, None] * 2**-10)
     assert ((y - xf).abs() <= bound).all()
     assert not any(flags.any() for flags in invalid_rows(bits, scales))
-
-
-def every_value_under_every_scale() -> torch.Tensor:
-    """One row per frexp exponent of a row's max (-132 .. 128, so every scale a bf16 row can
-    have): the max itself, then every finite bf16 value no larger, zeros elsewhere."""
-    every = every_finite_bf16().reshape(-1)
-    magnitude = every.float().abs()
-    out = []
-    for e in range(-132, 129):
-        top = 2.0 ** (e - 1) * (1.5 if e > -125 else 1)  # exact in bf16, frexp exponent e
-        top = torch.tensor(top if e < 128 else torch.finfo(torch.bfloat16).max).bfloat16()
-        row = torch.where(magnitude <= top.float(), every, torch.zeros((), dtype=torch.bfloat16))
-        row[0] = top
-        out.append(row)
-    return torch.stack(out)
 
 
 @pytest.mark.parametrize("threads", [0, 2])

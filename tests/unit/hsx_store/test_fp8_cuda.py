@@ -1,12 +1,14 @@
-"""The FP8 quantizer on a GPU (the capture plugin's) gives the CPU quantizer's bytes (the shard
-writer's): every finite bf16 value, rows at the ends of the range, float32 rows."""
+"""The FP8 quantizers on a GPU (the definition, and the fused kernel the capture plugin runs)
+give the CPU quantizer's bytes (the shard writer's): every finite bf16 value, under every scale,
+rows at the ends of the range, float32 rows."""
 
 from __future__ import annotations
 
 import numpy as np
 import torch
 
-from hsx_store.fp8 import quantize, quantize_rows
+from hsx_store.fp8 import quantize, quantize_rows, quantize_rows_fast
+from tests.helpers.fp8_rows import edge_rows, every_value_under_every_scale, rows
 
 
 def test_the_gpu_quantizer_gives_the_cpu_quantizers_bytes(cuda_device: torch.device) -> None:
@@ -33,3 +35,23 @@ def test_the_gpu_quantizer_gives_the_cpu_quantizers_bytes(cuda_device: torch.dev
     assert scales.isnan().cpu().tolist() == [False, True, True, False]
     nan = (values.view(torch.uint8) & 0x7F) == 0x7F
     assert nan.any(dim=1).cpu().tolist() == [False, True, True, False]
+
+
+def test_the_fused_kernel_gives_the_definitions_bytes(cuda_device: torch.device) -> None:
+    """quantize_rows_fast (one Triton kernel, the capture plugin's path) against quantize_rows
+    (the definition) on the same GPU: every bf16 value under every scale, the range's ends,
+    random rows, float32 rows, a Kimi-wide row, and rows with an inf or a NaN."""
+    from hsx_store.fp8_cuda import quantize_rows_cuda
+
+    x = every_value_under_every_scale()
+    small = torch.cat([edge_rows().repeat(1, 16), rows(64, 256)])
+    kimi = rows(64, 7168, seed=3).reshape(16, 4, 7168)
+    poisoned = rows(4, 256, seed=4)
+    poisoned[1, 7], poisoned[2, 9], poisoned[3, 0] = float("inf"), float("nan"), -float("inf")
+    for rows_in in (x, small, small.float(), kimi, poisoned):
+        got = quantize_rows_cuda(rows_in.to(cuda_device))
+        want = quantize_rows(rows_in.to(cuda_device))
+        assert got[0].shape == want[0].shape and got[1].shape == want[1].shape
+        assert torch.equal(got[0].view(torch.uint8), want[0].view(torch.uint8))
+        assert torch.equal(got[1].nan_to_num(-1.0), want[1].nan_to_num(-1.0))  # NaN rows too
+    assert quantize_rows_fast(kimi.to(cuda_device))[0].dtype == torch.float8_e4m3fn
