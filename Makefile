@@ -3,6 +3,8 @@
 #   make test                 set up, then run every test (real SGLang servers on CPU, Ray, S3)
 #   make test-fast            set up, then run tests/unit: no server, no Ray, no S3 (< 3 min)
 #   make bench [BENCH=name]   set up, then run every benchmark, or one
+#   make campaign [SEED=n] [CAMPAIGN=--short]   set up, then run the fault campaign (~17 min;
+#                             short: CI's, ~5 min)
 #   make docs                 regenerate docs/configuration.md from the config models
 PYTHON ?= python3.11
 VENV := .venv
@@ -17,8 +19,10 @@ SETUP_INPUTS := Makefile pyproject.toml requirements/sglang-cpu.lock.txt require
 	requirements/bench.txt \
 	shims/sgl_kernel/pyproject.toml $(wildcard shims/sgl_kernel/src/sgl_kernel/*.py)
 BENCH ?=
+SEED ?= 0
+CAMPAIGN ?=
 
-.PHONY: setup demo test test-fast bench docs lint clean
+.PHONY: setup demo test test-fast bench campaign docs lint clean
 
 setup: $(STAMP) $(TRAINERS_STAMP)
 
@@ -62,6 +66,9 @@ test-fast: setup
 
 bench: setup
 	$(PY) -m benchmarks.run $(BENCH)
+
+campaign: setup
+	$(PY) -m tools.fault_campaign --seed $(SEED) $(CAMPAIGN)
 
 docs: setup
 	$(PY) -m tools.config_reference

@@ -188,8 +188,8 @@ def store_committed(url: Path | str, storage_options: dict[str, Any] | None = No
 
 
 def start_driver(config: Path, ray_address: str, log: Path) -> subprocess.Popen[bytes]:
-    """`python -m cluster run` as `ray job submit` starts it, its output kept in `log`."""
-    with log.open("wb") as out:
+    """`python -m cluster run` as `ray job submit` starts it, its output added to `log`."""
+    with log.open("ab") as out:
         return subprocess.Popen(
             [sys.executable, "-m", "cluster", "run", "--config", str(config)],
             env={**os.environ, "RAY_ADDRESS": ray_address},
