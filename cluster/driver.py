@@ -199,13 +199,13 @@ class Driver:
         it left (actors/node_worker.py `reclaim_after`); a node lost meanwhile is skipped."""
         if not self.uncleaned:
             return
-        sweeps = {
+        sweeps = [
             reclaim_after.options(
                 scheduling_strategy=NodeAffinitySchedulingStrategy(node_id, soft=False)
-            ).remote(self.config.worker, worker_ids): node_id
+            ).remote(self.config.worker, worker_ids)
             for node_id, worker_ids in self.uncleaned.items()
-        }
-        ready, _ = ray.wait(list(sweeps), num_returns=len(sweeps), timeout=RECLAIM_WAIT_S)
+        ]
+        ready, _ = ray.wait(sweeps, num_returns=len(sweeps), timeout=RECLAIM_WAIT_S)
         removed = 0
         for ref in ready:
             with contextlib.suppress(RayError):  # the node is gone, and what it held with it

@@ -20,8 +20,9 @@ exits short of a complete store is submitted again too.
 Checked at the end: every planned sample committed exactly once, in input order, with its own
 tokens; `verify`'s integrity checks pass; one seeded sample per shard equals an independent
 float32 recompute (HF transformers); the report's counts match the store; nothing of ours is
-left in /dev/shm, the dump root, the workers' log folder or the temp dir. The seed fixes the schedule and the samples
-checked; what each fault hits depends on the job's progress at that moment, which it does not.
+left in /dev/shm, the dump root, the workers' log folder or the temp dir. The seed fixes the
+schedule and the samples checked; what each fault hits depends on the job's progress at that
+moment, which it does not.
 The last line: `CAMPAIGN seed=... faults=... resubmits=... lost=0 duplicated=0 leftovers=0 PASS`.
 """
 
