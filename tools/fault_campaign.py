@@ -49,7 +49,6 @@ import numpy as np
 import yaml
 
 from actors.private_folders import SHM_ROOT
-from tests.helpers.jobs import start_driver
 from tools.fault_injection import DiskFiller, FaultyProxy, processes, server_groups
 from tools.ray_head import private_temp_dir
 from tools.s3_server import S3Server, s3_server
@@ -234,6 +233,8 @@ class Campaign:
             raise ended[0]
 
     def submit_until_done(self, config: Path, started: float) -> None:
+        from tests.helpers.jobs import start_driver  # Ray's modules: after configure_local_ray
+
         while True:
             with self._lock:
                 self.driver = start_driver(config, self.cluster.address, self.work / "driver.log")
@@ -450,16 +451,20 @@ class _Cluster:
         self.inner.add_node(**kwargs)
 
 
-@contextlib.contextmanager
-def ray_cluster(nodes: int) -> Iterator[_Cluster]:
-    # Authenticated, and on loopback: Ray turns a 127.0.0.1 address into the machine's own
-    # address unless told the cluster is this machine alone (its name for that, kept for
-    # laptops, is this variable); the driver and every node inherit both.
+def configure_local_ray() -> None:
+    """Before anything in this process configures Ray (it reads these once): the cluster
+    authenticated (a token of its own), and on loopback (Ray turns a 127.0.0.1 address into the
+    machine's own address unless told the cluster is this machine alone; its name for that,
+    kept for laptops, is this variable). The driver and every node inherit both."""
     os.environ.update(
         RAY_AUTH_MODE="token",
         RAY_AUTH_TOKEN=secrets.token_hex(32),
         RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER="0",
     )
+
+
+@contextlib.contextmanager
+def ray_cluster(nodes: int) -> Iterator[_Cluster]:
     with private_temp_dir() as temp_dir:
         cluster = _Cluster(nodes, temp_dir)
         try:
@@ -497,6 +502,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--short", action="store_true", help="CI's form: 2 nodes, 8 faults")
     parser.add_argument("--keep", action="store_true", help="keep the work folder (logs)")
     args = parser.parse_args(argv)
+    configure_local_ray()
     form = FORMS["short" if args.short else "full"]
     work = Path(tempfile.mkdtemp(prefix="campaign-"))
     say = lambda text: print(text, flush=True)  # noqa: E731
