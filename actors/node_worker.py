@@ -87,9 +87,9 @@ class NodeWorker:
         # Private folders, locked while this worker lives: what a killed worker left on this
         # node goes first (actors/private_folders.py). Dumps in /dev/shm (RAM), the server's log
         # on disk, kept a while if the worker failed.
-        self._reclaim_abandoned()
-        self.dumps = HeldFolder.claim(self.dump_root, f"{DUMPS_PREFIX}{self.id}-")
-        self.logs = HeldFolder.claim(self.log_root, f"{LOGS_PREFIX}{self.id}-")
+        reclaim_node(self.config)
+        self.dumps = HeldFolder.claim(dump_root(self.config), f"{DUMPS_PREFIX}{self.id}-")
+        self.logs = HeldFolder.claim(log_root(self.config), f"{LOGS_PREFIX}{self.id}-")
         self.dump_dir, self.log_dir = self.dumps.path, self.logs.path
         self.server_dumps = self.dump_dir / "server-0"  # this server start's (see _start_server)
         self.server: SGLangServer | None = None
@@ -161,18 +161,7 @@ class NodeWorker:
             self.server = None
         self.dumps.release()
         self.logs.release(remove=not keep_log)
-        self._reclaim_abandoned()  # what workers killed meanwhile left (at a job's end: all)
-
-    @property
-    def dump_root(self) -> Path:
-        return dump_root(self.config)
-
-    @property
-    def log_root(self) -> Path:
-        return log_root(self.config)
-
-    def _reclaim_abandoned(self) -> None:
-        reclaim_node(self.config)
+        reclaim_node(self.config)  # what workers killed meanwhile left (at a job's end: all)
 
     def _check_model(self) -> None:
         """Refuse to extend the store with another checkpoint than the one that planned it (a

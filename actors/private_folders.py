@@ -95,7 +95,7 @@ def _reclaim(path: Path, keep_s: float) -> bool:
         os.close(fd)
         return False  # its holder lives
     try:
-        if time.time() - _last_change(path) < keep_s:
+        if keep_s > 0 and time.time() - _last_change(path) < keep_s:
             return False
         _remove(path)
         return True

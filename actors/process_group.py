@@ -70,9 +70,10 @@ def reclaim_orphan_segments(prefix: str = SGLANG_SEGMENTS, grace_s: float = 5.0)
     return removed
 
 
-def kill_group(pgid: int, tracker_timeout: float = 2.0) -> None:
-    """SIGKILL the group, its resource trackers last (they clean up once their clients die)."""
-    members = group_pids(pgid)
+def kill_group(pgid: int, members: list[int] | None = None, tracker_timeout: float = 2.0) -> None:
+    """SIGKILL the group (`members`: its pids, if known), its resource trackers last (they clean
+    up once their clients die)."""
+    members = group_pids(pgid) if members is None else members
     trackers = [pid for pid in members if _is_tracker(pid)]
     for pid in members:
         if pid not in trackers:

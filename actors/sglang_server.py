@@ -211,7 +211,7 @@ class SGLangServer:
             return
         members = group_pids(self.process.pid)
         self.shm_files = sorted({*self.shm_files, *shm_files(members)})  # a start cut short too
-        kill_group(self.process.pid)
+        kill_group(self.process.pid, members)
         _wait_group_gone(self.process, 10.0)
         self.process.wait(timeout=5)
         self.process = None

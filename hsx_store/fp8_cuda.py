@@ -15,7 +15,13 @@ import torch
 import triton
 import triton.language as tl
 
+from hsx_store.fp8 import SCALE_EXPONENT_OFFSET, TOP_EXPONENT, TOP_LIMIT
+
 MAX_ROW = 1 << 16  # widest row one program holds in registers (Kimi's: 7,168)
+# The definition's constants, as the kernel reads globals
+OFFSET = tl.constexpr(SCALE_EXPONENT_OFFSET)
+TOP_E = tl.constexpr(TOP_EXPONENT)
+TOP = tl.constexpr(TOP_LIMIT)
 
 
 @triton.jit
@@ -39,13 +45,13 @@ def _quantize_rows_kernel(x_ptr, values_ptr, scales_ptr, width, BLOCK: tl.conste
     biased = (normal.to(tl.int32, bitcast=True) >> 23) & 0xFF
     exponent = tl.where(subnormal, biased - 126 - 64, biased - 126)
     exponent = tl.where(finite & (amax > 0), exponent, 0)
-    k = 8 - exponent  # SCALE_EXPONENT_OFFSET
+    k = OFFSET - exponent
     first = tl.where(finite, _pow2(k >> 1), float("nan"))  # >> 1: floor, as torch's // 2
     scaled = x * first * _pow2(k - (k >> 1))
-    limit = tl.where(exponent >= 128, 240.0, float("inf"))  # TOP_EXPONENT, TOP_LIMIT
+    limit = tl.where(exponent >= TOP_E, TOP, float("inf"))
     scaled = tl.where(scaled > limit, limit, tl.where(scaled < -limit, -limit, scaled))  # NaN stays
     tl.store(values_ptr + row * width + offsets, scaled.to(tl.float8e4nv), mask=inside)
-    e = exponent - 8
+    e = exponent - OFFSET
     scale = tl.where(amax > 0, _pow2(e >> 1) * _pow2(e - (e >> 1)), 0.0)
     tl.store(scales_ptr + row, tl.where(finite, scale, float("nan")))
 
