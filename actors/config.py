@@ -171,6 +171,51 @@ class WorkerConfig(Section):
     """With nothing to lease, ask again after this (backing off to 4x)."""
 
 
+class GenerateConfig(Section):
+    """The target model writes the responses before they are captured (docs/design/generation.md):
+    the server writes each prompt's assistant turns anew, `n` times; a sample is the prompt's
+    tokens with the generated ones as the server returned them."""
+
+    turns: Literal["last", "all"] = "last"
+    """last: the last assistant turn is written anew (a conversation that ends with another
+    role gets one); all: every assistant turn, in order, each fed into the next (the tokens the
+    model wrote, as it would see them in a running conversation)."""
+    n: int = Field(1, ge=1)
+    """Responses per prompt, each a sample of its own (ids `<prompt id>#<k>` when n > 1)."""
+    max_new_tokens: int = Field(512, ge=1)
+    """The longest response; a prompt with no room for it under data.max_length is rejected."""
+    temperature: float = Field(0.0, ge=0)
+    """0: greedy."""
+    top_p: float = Field(1.0, gt=0, le=1)
+    """Nucleus sampling: the smallest set of tokens holding this much probability."""
+    top_k: int = Field(-1, ge=-1)
+    """Sample among the k most likely tokens; -1: no limit."""
+    min_p: float = Field(0.0, ge=0, le=1)
+    """Leave out tokens less likely than this x the most likely one's probability."""
+    stop: list[str] = []
+    """Strings that end a response (besides the model's own end-of-turn tokens)."""
+    seed: int = 0
+    """The job's seed: each response's seed derives from it and its sample id. SGLang samples
+    with it only on a server run with --enable-deterministic-inference (server.extra_args; GPU
+    attention backends only); greedy jobs need none."""
+    on_length: Literal["keep", "reject"] = "keep"
+    """A response cut at max_new_tokens: kept (its finish reason says length, and no end-of-turn
+    follows it) or rejected with the reason."""
+    inflight: int | None = Field(None, ge=1)
+    """Generation requests in flight per server; null: worker.inflight x 4 (decode batches)."""
+
+    def sampling_params(self) -> dict[str, Any]:
+        """SGLang's sampling parameters for one response (the seed is per response)."""
+        return {
+            "max_new_tokens": self.max_new_tokens,
+            "temperature": self.temperature,
+            "top_p": self.top_p,
+            "top_k": self.top_k,
+            "min_p": self.min_p,
+            "stop": list(self.stop),
+        }
+
+
 class WorkerJobConfig(Section):
     """What a node worker needs of the job: the model, the store, its server and itself."""
 
@@ -178,6 +223,9 @@ class WorkerJobConfig(Section):
     store: StoreConfig
     server: ServerConfig = ServerConfig()
     worker: WorkerConfig = WorkerConfig()
+    generate: GenerateConfig | None = None
+    """Generate the responses with the target model before capturing them; absent: the input
+    rows are captured as they are."""
 
     def server_args(self) -> list[str]:
         """SGLang flags from the model section, then server.extra_args."""

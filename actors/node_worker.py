@@ -9,7 +9,10 @@ loop: lease a shard -> K requests in flight -> read + verify each dump -> hand r
 writer -> claim + commit -> complete the lease. With nothing to lease it waits (a dead worker's
 shards or a straggler may still come its way) until the queue says the job is finished. The
 server is restarted (bounded, with backoff) and calibrated again when it dies; the shard then
-resumes with its unwritten samples. Design: docs/design/node-worker.md.
+resumes with its unwritten samples. A job with `generate:` also runs a generation thread: it
+leases parts of prompts from the generation queue, has the same server write their responses
+(batched with the capture's requests) and keeps them in the store's location
+(actors/generator.py). Design: docs/design/node-worker.md, docs/design/generation.md.
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ import logging
 import os
 import socket
 import tempfile
+import threading
 import time
 import uuid
 from collections import Counter
@@ -43,6 +47,7 @@ from actors.capture_client import (
 )
 from actors.config import WorkerConfig, WorkerJobConfig
 from actors.dump_checks import DumpMismatch, check_dump
+from actors.generator import PartGeneration
 from actors.lease_keeper import Lease, LeaseKeeper, LeaseLost, ray_caller
 from actors.private_folders import HeldFolder, reclaim_abandoned
 from actors.process_group import reclaim_orphan_segments
@@ -51,6 +56,7 @@ from actors.shard_writer import ShardWriter
 from actors.worker_metrics import WorkerMetrics
 from hsx_store.format import Store
 from hsx_store.fp8 import FP8_DTYPE, Fp8Rows, scale_name
+from hsx_store.generated import GeneratedParts
 from hsx_store.model_identity import model_mismatches
 from patches.dump_files import TMP_PREFIX, clear_unpublished, read_dump, release_dump
 from patches.settings import CaptureSettings
@@ -73,11 +79,39 @@ class Captured:
     dump_path: Path
 
 
+@dataclass
+class _ActivePart:
+    """A part of prompts being generated: its lease, the keeper renewing it, its requests (None:
+    its responses were kept already)."""
+
+    lease: Lease
+    keeper: LeaseKeeper
+    generation: PartGeneration | None
+
+    @property
+    def outstanding(self) -> int:
+        return self.generation.outstanding if self.generation else 0
+
+    def close(self, queue: Any, why: str) -> None:
+        """Give the part back unfinished (its requests cancelled)."""
+        if self.generation is not None:
+            self.generation.cancel()
+        self.keeper.__exit__(None, None, None)
+        with contextlib.suppress(Exception):  # a queue gone with the job: nothing to tell
+            ray.get(queue.release.remote(self.lease.lease_id, why))
+
+
 @ray.remote(max_concurrency=4)  # run() is long; status and server_pid answer meanwhile
 class NodeWorker:
-    def __init__(self, job: WorkerJobConfig, queue: Any, worker_id: str | None = None) -> None:
+    def __init__(
+        self,
+        job: WorkerJobConfig,
+        queue: Any,
+        worker_id: str | None = None,
+        gen_queue: Any = None,
+    ) -> None:
         self.job, self.config = job, job.worker
-        self.queue = queue
+        self.queue, self.gen_queue = queue, gen_queue  # gen_queue: parts of prompts (generate:)
         self.id = worker_id or f"{socket.gethostname()}-{os.getpid()}"
         self.store = Store.open(job.store.url, mode="r+", storage_options=job.store.storage_options)
         tokenizer = AutoTokenizer.from_pretrained(
@@ -96,7 +130,12 @@ class NodeWorker:
         self.calibration: Calibration | None = None
         self.metrics = WorkerMetrics(self.id)
         self.restarts = 0
-        self.phase = "starting"  # starting (server + calibration) | working | idle
+        self._server_lock = threading.Lock()  # restarts: the capture or the generation thread
+        self._stopping = threading.Event()
+        self._generation_error: BaseException | None = None
+        self.generating: list[int] = []  # the parts of prompts being generated
+        # starting (server + calibration) | working (a shard) | generating (parts only) | idle
+        self.phase = "starting"
         self.progress: dict[str, Any] = {"shard": None, "written": 0, "failed": 0}
 
     # -- Ray API ------------------------------------------------------------------------------
@@ -104,11 +143,19 @@ class NodeWorker:
     def run(self) -> list[dict[str, Any]]:
         """Process shards until the queue has none left; per-shard summaries."""
         summaries = []
+        generation = None
         try:
             self._check_model()
             self._start_server()
+            if self.gen_queue is not None:  # generating next to capturing: one server, both
+                generation = threading.Thread(
+                    target=self._generate_parts, name="generation", daemon=True
+                )
+                generation.start()
             idle = 0  # polls in a row that found nothing
             while True:
+                if self._generation_error is not None:
+                    raise self._generation_error
                 lease = ray.get(self.queue.acquire.remote(self.id))
                 if lease is not None:
                     idle = 0
@@ -116,16 +163,20 @@ class NodeWorker:
                 elif ray.get(self.queue.finished.remote()):
                     break
                 else:
-                    self.phase = "idle"
+                    self.phase = "generating" if self.generating else "idle"
                     self.progress = {"shard": None, "written": 0, "failed": 0}
                     # Backing off (1x, 2x, 4x): a thousand idle nodes at a job's tail or
-                    # ahead of its plan stay a small share of what one queue answers.
-                    time.sleep(self.config.idle_poll_s * 2 ** min(idle, 2))
+                    # ahead of its plan stay a small share of what one queue answers. While
+                    # this worker generates, its own parts become shards soon: ask often.
+                    backoff = 2 ** min(idle, 2) if not self.generating else 0.25
+                    time.sleep(self.config.idle_poll_s * backoff)
                     idle += 1
         except BaseException as exc:
+            self._stop_generation(generation)
             self.shutdown(keep_log=True)
             exc.add_note(f"worker {self.id}: the SGLang server's log is kept at {self.server_log}")
             raise
+        self._stop_generation(generation)
         self.shutdown()
         return summaries
 
@@ -136,6 +187,7 @@ class NodeWorker:
         return {
             "worker": self.id,
             "phase": self.phase,
+            "generating": self.generating,
             "restarts": self.restarts,
             "dumps_held": self._dumps_held(),
             **self.progress,
@@ -245,6 +297,11 @@ class NodeWorker:
 
     def _restart_server(self) -> None:
         """Bounded attempts with backoff; the last failure carries the server's log tail."""
+        with self._server_lock:
+            if not self._server_ok():  # else the other thread restarted it meanwhile
+                self._restart_server_locked()
+
+    def _restart_server_locked(self) -> None:
         assert self.server is not None
         tail = self.server.log_tail()
         while True:
@@ -262,6 +319,118 @@ class NodeWorker:
                 return
             except ServerError as exc:
                 tail = str(exc)
+
+    # -- one part of prompts (generate:) -------------------------------------------------------
+
+    def _generate_parts(self) -> None:
+        """The generation thread: parts of prompts leased one after another, their requests
+        sharing K threads (generate.inflight) and batching on the server with the capture's;
+        a part is leased as soon as the one before leaves a thread idle (two at most). Its
+        failure is the worker's."""
+        assert self.gen_queue is not None and self.job.generate is not None
+        inflight = self.job.generate.inflight or 4 * self.config.inflight
+        pool = ThreadPoolExecutor(inflight, thread_name_prefix="generate")
+        active: list[_ActivePart] = []
+        idle = 0
+        try:
+            while not self._stopping.is_set():
+                for part in [p for p in active if p.outstanding == 0]:
+                    active.remove(part)
+                    self._finish_part(part)
+                room = len(active) < 2 and sum(p.outstanding for p in active) < inflight
+                lease = ray.get(self.gen_queue.acquire.remote(self.id)) if room else None
+                if lease is not None:
+                    active.append(self._start_part(lease, pool))
+                    idle = 0
+                elif active:
+                    futures = [f for p in active if p.generation for f in p.generation.futures]
+                    wait(futures, timeout=self.config.idle_poll_s, return_when=FIRST_COMPLETED)
+                else:
+                    self._stopping.wait(self.config.idle_poll_s * 2 ** min(idle, 2))
+                    idle += 1
+                self.generating = [p.lease.shard for p in active]
+        except BaseException as exc:
+            self._generation_error = exc
+        finally:
+            for part in active:  # the worker is stopping: the parts go back at once
+                part.close(self.gen_queue, "the worker stopped")
+            pool.shutdown(wait=False, cancel_futures=True)
+            self.generating = []
+
+    def _start_part(self, lease: Lease, pool: ThreadPoolExecutor) -> _ActivePart:
+        """Hold part `lease.shard`'s lease and submit its requests; a part whose responses are
+        kept already (a duplicate lease, a resumed job) is only completed."""
+        assert self.job.generate is not None
+        keep = GeneratedParts(self.store.group.store)
+        keeper = LeaseKeeper(ray_caller(self.gen_queue), lease, self.config.heartbeat_s)
+        keeper.__enter__()
+        generation = None
+        try:
+            if keep.responses(lease.shard) is None:
+                generation = PartGeneration(
+                    pool,
+                    self.server,
+                    keep.prompts(lease.shard),
+                    self.job.generate,
+                    self.config.sample_attempts,
+                    self.job.server.request_timeout_s,
+                )
+        except BaseException:
+            keeper.__exit__(None, None, None)
+            raise
+        return _ActivePart(lease, keeper, generation)
+
+    def _finish_part(self, part: _ActivePart) -> None:
+        """Keep a part's responses in the store's location, once: the first claim wins, as a
+        shard's commit does. A server that died meanwhile is restarted and the part given
+        back (generated again, here or elsewhere)."""
+        assert self.gen_queue is not None
+        lease, keeper = part.lease, part.keeper
+        try:
+            record = part.generation.record() if part.generation else None
+            keeper.claim_commit(lease.claim_timeout)
+            if record is not None:
+                record["model"] = self._model_identity()
+                record["worker"] = self.id
+                with keeper.writing():
+                    GeneratedParts(self.store.group.store).put_responses(lease.shard, record)
+        except LeaseLost as exc:
+            self._lease_lost(lease, exc)
+            return
+        except requests.RequestException as exc:  # the server's failure, not the part's
+            self._give_back(lease, exc)
+            self._restart_server()  # unless it is fine, or restarted meanwhile
+            return
+        except BaseException as exc:
+            self._give_back(lease, exc)
+            raise
+        finally:
+            keeper.__exit__(None, None, None)
+        summary = {"part": lease.shard, "worker": self.id, "generated": record is not None}
+        if not ray.get(self.gen_queue.complete.remote(lease.lease_id, summary)):
+            self._lease_lost(lease, "the queue refused the completion")
+
+    def _stop_generation(self, generation: threading.Thread | None) -> None:
+        """At the job's end it is idle; after a failure it may be mid-part: that part's lease
+        runs out and the part is generated elsewhere."""
+        self._stopping.set()
+        if generation is not None:
+            generation.join(timeout=30)
+
+    def _give_back(self, lease: Lease, exc: BaseException) -> None:
+        assert self.gen_queue is not None
+        ray.get(self.gen_queue.release.remote(lease.lease_id, f"{type(exc).__name__}: {exc}"))
+
+    def _model_identity(self) -> dict[str, Any]:
+        m = self.store.manifest
+        return {
+            "path": self.job.model.path,
+            "config_sha256": m.model_config_hash,
+            "tokenizer_sha256": m.tokenizer_hash,
+            "weights_fingerprint": m.weights_fingerprint,
+            "chat_template_sha256": m.chat_template_hash,
+            "dtype": self.job.model.dtype,
+        }
 
     # -- one shard ----------------------------------------------------------------------------
 

@@ -60,6 +60,7 @@ class Driver:
     # workers that ended without their own cleanup (killed, failed, stopped), by node
     uncleaned: dict[str, list[str]] = field(default_factory=dict)
     incarnation: int = 0
+    gen_queue: Any = None  # a `generate:` job's parts of prompts, while it is planned
     # a terminal: every progress line (the stdout of the moment, not the one at import)
     live: bool = field(default_factory=lambda: sys.stdout.isatty())
 
@@ -76,15 +77,22 @@ class Driver:
         status, feed = None, None
         if todo or builder is not None:
             q = self.config.queue
-            queue = ShardQueueActor.remote(
-                [sh.index for sh in todo],
-                q.lease_s,
-                q.shard_attempts,
-                q.straggler_factor,
-                q.straggler_min_s,
-                margin_seconds=self.config.margin_s,
-                more_coming=builder is not None,
-            )
+
+            def new_queue(shards: list[int], more_coming: bool) -> Any:
+                return ShardQueueActor.remote(
+                    shards,
+                    q.lease_s,
+                    q.shard_attempts,
+                    q.straggler_factor,
+                    q.straggler_min_s,
+                    margin_seconds=self.config.margin_s,
+                    more_coming=more_coming,
+                )
+
+            queue = new_queue([sh.index for sh in todo], builder is not None)
+            # Parts of prompts to generate: only while a `generate:` job is being planned.
+            generating = builder is not None and self.config.generate is not None
+            self.gen_queue = new_queue([], True) if generating else None
             done = [sh for sh in store.shards if committed[sh.index]]
             meter = ProgressMeter(
                 total_samples=store.num_samples,
@@ -95,7 +103,9 @@ class Driver:
             )
             if builder is not None:
                 planners = self.config.driver.planners  # None: every CPU that holds the data
-                feed = PlanFeed(builder, self.config, queue, meter, planners, self.say)
+                feed = PlanFeed(
+                    builder, self.config, queue, meter, planners, self.say, self.gen_queue
+                )
                 feed.start()  # workers start below meanwhile
             try:
                 status = self._watch(queue, meter, feed)
@@ -103,6 +113,8 @@ class Driver:
                 if feed is not None and feed.is_alive():
                     feed.stop()
                 ray.kill(queue)
+                if self.gen_queue is not None:
+                    ray.kill(self.gen_queue)
                 self._reclaim_nodes()
         summaries = status.summaries if status else {}
         report = build_report(
@@ -292,7 +304,7 @@ class Driver:
             num_gpus=plan.gpus_per_server,
             scheduling_strategy=NodeAffinitySchedulingStrategy(node_id, soft=False),
             max_restarts=0,
-        ).remote(self.config, queue, worker_id)
+        ).remote(self.config, queue, worker_id, self.gen_queue)
         self.workers[handle.run.remote()] = _Running(node_id, worker_id, handle, slot)
         self.say(f"started {worker_id}")
 

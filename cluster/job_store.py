@@ -46,7 +46,9 @@ class ResumeConflict(ValueError):
 def job_spec(config: JobConfig, sources_sha256: list[str]) -> dict[str, Any]:
     """What the plan is made from, besides the manifest: stored as the store's `job` attr."""
     data = config.data.model_dump(exclude={"paths", "max_length"})
-    return {"sources_sha256": sources_sha256, **data}
+    # What the responses are made with (not how fast: generate.inflight may change).
+    generate = config.generate.model_dump(exclude={"inflight"}) if config.generate else None
+    return {"sources_sha256": sources_sha256, **data, "generate": generate}
 
 
 def manifest_for(config: JobConfig, chat_template: str | None) -> Manifest:
@@ -255,8 +257,9 @@ def check_resume(store: Store, config: JobConfig) -> None:
             continue
         if key == "sources_sha256":
             problems += changed_sources(config.data.paths, store.job.get(key), value)
-        else:
-            problems.append(f"data.{key}: store {store.job.get(key)!r} != config {value!r}")
+        else:  # a store made before `generate` existed has none: the same as null
+            section = "" if key == "generate" else "data."
+            problems.append(f"{section}{key}: store {store.job.get(key)!r} != config {value!r}")
     if problems:
         raise ResumeConflict(
             f"{config.store.url} was made by a different job; refusing to resume it "

@@ -28,6 +28,7 @@ from typing import Any
 
 import numpy as np
 
+from actors.config import GenerateConfig
 from cluster.config import DataConfig
 from cluster.plan_encode import Encoder, chat_template_text, parse_row
 from cluster.plan_sources import (
@@ -62,6 +63,9 @@ class Sample:
     sample_id: str
     input_ids: np.ndarray  # int32
     loss_mask: np.ndarray  # uint8, same length
+    # generating: {"prompt": messages (null contents: turns to write) or text, "segments":
+    # the lengths of the tokens before each turn to write} (cluster/plan_encode.py)
+    prompt: dict[str, Any] | None = None
 
 
 @dataclass(frozen=True)
@@ -102,18 +106,30 @@ class PartResult:
     lengths: list[int] = field(default_factory=list)
     input_ids: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int32))
     loss_mask: np.ndarray = field(default_factory=lambda: np.zeros(0, np.uint8))
+    # generating: each accepted row's {"prompt": messages or text, "segments": lengths}
+    prompts: list[dict[str, Any]] = field(default_factory=list)
 
 
 @functools.lru_cache(maxsize=4)
-def _encoder(data_json: str, model_path: str, trust_remote_code: bool) -> Encoder:
+def _encoder(
+    data_json: str, model_path: str, trust_remote_code: bool, generate_json: str | None = None
+) -> Encoder:
     """One per planning process and job: loading a tokenizer costs up to seconds."""
-    return Encoder.load(DataConfig.model_validate_json(data_json), model_path, trust_remote_code)
+    generate = GenerateConfig.model_validate_json(generate_json) if generate_json else None
+    data = DataConfig.model_validate_json(data_json)
+    return Encoder.load(data, model_path, trust_remote_code, generate)
 
 
-def plan_part(part: Part, data_json: str, model_path: str, trust_remote_code: bool) -> PartResult:
+def plan_part(
+    part: Part,
+    data_json: str,
+    model_path: str,
+    trust_remote_code: bool,
+    generate_json: str | None = None,
+) -> PartResult:
     """Read, check and encode one part (a Ray task, or called in-process)."""
     data = DataConfig.model_validate_json(data_json)
-    encoder = _encoder(data_json, model_path, trust_remote_code)
+    encoder = _encoder(data_json, model_path, trust_remote_code, generate_json)
     raw, numbers = read_part(part, data)
     result = PartResult(numbers)
     ids: list[np.ndarray] = []
@@ -127,6 +143,10 @@ def plan_part(part: Part, data_json: str, model_path: str, trust_remote_code: bo
                 ids.append(encoded[0])
                 masks.append(encoded[1])
                 result.lengths.append(len(encoded[0]))
+                if encoder.generate is not None:  # the prompt and its segments' lengths
+                    result.prompts.append(
+                        {"prompt": encoder.prompt_of(row), "segments": encoded[2]}
+                    )
     if ids:
         result.input_ids, result.loss_mask = np.concatenate(ids), np.concatenate(masks)
     return result
@@ -139,7 +159,8 @@ class PlanStream:
 
     `planners`: 0 plans in this process, one part at a time; otherwise parts are planned as Ray
     tasks, that many at once (None: one per CPU of those nodes), on the nodes that hold every
-    input at its path (found first; `nodes` lists them), round robin."""
+    input at its path (found first; `nodes` lists them), round robin. `generate`: each Sample
+    is a prompt to generate from (its `prompt`, its tokens, a mask of zeros)."""
 
     def __init__(
         self,
@@ -147,12 +168,19 @@ class PlanStream:
         model_path: str | Path,
         trust_remote_code: bool = False,
         planners: int | None = 0,
+        generate: GenerateConfig | None = None,
     ) -> None:
         self.data, self.planners = data, planners
-        self._args = (data.model_dump_json(), str(model_path), trust_remote_code)
+        self._args = (
+            data.model_dump_json(),
+            str(model_path),
+            trust_remote_code,
+            generate.model_dump_json() if generate else None,
+        )
         self._sources = [resolve_source(p, data.format) for p in data.paths]
         self._names = source_names([src.path for src in self._sources])
         encoder = _encoder(*self._args)  # fails here, not in a task, for a bad model/template
+        self.encoder = encoder
         self.chat_template = encoder.template
         self.sources: list[dict[str, Any]] = []
         self.accepted = self.rejected = self.tokens = 0
@@ -175,6 +203,7 @@ class PlanStream:
                     if reason is None
                     else None
                 )
+                prompt = result.prompts[encoded] if result.prompts and reason is None else None
                 encoded += reason is None
                 loc = f"{name}:{base + number}"
                 sample_id = own_id or loc
@@ -188,7 +217,12 @@ class PlanStream:
                     continue
                 self.accepted += 1
                 self.tokens += tokens.stop - tokens.start
-                yield Sample(sample_id, result.input_ids[tokens], result.loss_mask[tokens])
+                yield Sample(
+                    sample_id,
+                    result.input_ids[tokens],
+                    result.loss_mask[tokens],
+                    prompt,
+                )
             numbers[part.source] += result.numbers
             counts[part.source] += len(result.rows)
             self.parts_done += 1

@@ -9,6 +9,7 @@ row; PlanError is only for the model or the template file as a whole.
 
 from __future__ import annotations
 
+import functools
 import json
 import re
 from dataclasses import dataclass
@@ -17,6 +18,7 @@ from typing import Any
 
 import numpy as np
 
+from actors.config import GenerateConfig
 from cluster.config import DataConfig
 from cluster.loss_mask import TemplateShapeError, TurnShape, token_mask, token_mask_by_prefix
 from cluster.plan_sources import PlanError
@@ -24,6 +26,7 @@ from cluster.plan_sources import PlanError
 NO_TEMPLATE = "the model has no chat template; set data.chat_template"
 NO_ASSISTANT = "no assistant turn to train on"
 NO_MASKED_TOKENS = "the chat template marks no assistant tokens"
+NOTHING_TO_ANSWER = "nothing for the model to answer: {what}"
 # The same test transformers uses to decide whether a template can return an assistant mask.
 _GENERATION_TAG = re.compile(r"\{%-?\s*generation\s*-?%\}")
 
@@ -39,6 +42,8 @@ class Row:
 
 
 Encoded = tuple[np.ndarray, np.ndarray]  # int32 token ids, uint8 loss mask
+# generating: a prompt's token ids, a mask of zeros, and its segments' lengths
+PromptEncoded = tuple[np.ndarray, np.ndarray, list[int]]
 
 
 def _type_name(value: Any) -> str:
@@ -166,8 +171,16 @@ def _special_tokens(tokenizer: Any) -> list[str]:
 class Encoder:
     """Tokenizes a chunk of parsed rows; each result is (ids, mask) arrays or a reject reason."""
 
-    def __init__(self, tokenizer: Any, template: str | None, data: DataConfig, vocab: int):
+    def __init__(
+        self,
+        tokenizer: Any,
+        template: str | None,
+        data: DataConfig,
+        vocab: int,
+        generate: GenerateConfig | None = None,
+    ):
         self.tok = tokenizer
+        self.generate = generate
         self.template = template
         self.assistant_only = data.loss_mask == "assistant"
         self.max_length = data.max_length
@@ -182,12 +195,22 @@ class Encoder:
         self._shape: TurnShape | str | None = None  # learned on the first chat row that needs it
 
     @classmethod
-    def load(cls, data: DataConfig, model_path: str | Path, trust_remote_code: bool) -> Encoder:
+    def load(
+        cls,
+        data: DataConfig,
+        model_path: str | Path,
+        trust_remote_code: bool,
+        generate: GenerateConfig | None = None,
+    ) -> Encoder:
         tokenizer = load_tokenizer(model_path, trust_remote_code)
         template = resolve_chat_template(data.chat_template, tokenizer)
-        return cls(tokenizer, template, data, vocab_size(Path(model_path)))
+        return cls(tokenizer, template, data, vocab_size(Path(model_path)), generate)
 
-    def encode(self, rows: list[Row]) -> list[Encoded | str]:
+    def encode(self, rows: list[Row]) -> list[Encoded | PromptEncoded | str]:
+        """Each row's (ids, loss mask), or why it is rejected. Generating (`generate`): each
+        row's prompt instead, the tokens the model answers, with a mask of zeros."""
+        if self.generate is not None:
+            return [r.reason or self._encode_prompt(r) for r in rows]
         results: list[Any] = [r.reason or "" for r in rows]  # "": filled in below
         texts = [i for i, r in enumerate(rows) if r.text is not None]
         chats = [i for i, r in enumerate(rows) if r.messages is not None]
@@ -199,6 +222,94 @@ class Encoder:
         for i, result in zip(chats, encoded, strict=True):
             results[i] = result
         return [r if isinstance(r, str) else self._check(*r) for r in results]
+
+    # -- prompts to generate from ------------------------------------------------------------
+
+    def prompt_of(self, row: Row) -> list[dict[str, Any]] | str:
+        """What the model answers: a text row's text, or a chat row's messages with a null
+        content where the model writes a turn: the last assistant turn (`generate.turns`
+        last) or every one (all), plus one after a conversation that ends with another role."""
+        assert self.generate is not None
+        if row.messages is None:
+            return str(row.text)
+        messages = [dict(m) for m in row.messages]
+        last = self.generate.turns == "last"
+        if last and messages[-1]["role"] == "assistant":
+            messages = messages[:-1]
+        for m in messages:
+            if m["role"] == "assistant" and not last:
+                m["content"] = None
+        if not messages or messages[-1]["role"] != "assistant":
+            messages.append({"role": "assistant", "content": None})
+        return messages
+
+    @functools.cache  # noqa: B019 (one per encoder, and an encoder lives as long as its job)
+    def turn_end(self, chat: bool) -> list[int] | str:
+        """The tokens that close a response: the template's assistant turn end for chat rows
+        (ChatML's `<|im_end|>`), the eos token for text rows; a reason where it is unknown."""
+        if not chat:
+            eos = self.tok.eos_token_id
+            return [] if eos is None else [int(eos)]
+        shape = self._turn_shape()
+        if isinstance(shape, str):
+            return shape
+        return self._tokenize([shape.end])[0] if shape.end else []
+
+    def _encode_prompt(self, row: Row) -> PromptEncoded | str:
+        """(the prompt's tokens, a mask of zeros, its segments' lengths): the tokens before
+        each turn the model writes, after the one before it (one segment: the last turn)."""
+        assert self.generate is not None
+        prompt = self.prompt_of(row)
+        if isinstance(prompt, str):
+            segments = [self.tok(prompt, add_special_tokens=True)["input_ids"]]
+        else:
+            if self.template is None:
+                return NO_TEMPLATE
+            if len(prompt) < 2:
+                return NOTHING_TO_ANSWER.format(what="no turn before the assistant's")
+            if (before := prompt[-2]["role"]) in ("assistant", "system"):
+                return NOTHING_TO_ANSWER.format(what=f"the turn before it is the {before}'s")
+            try:
+                segments = self._segments(prompt)
+            except Exception as exc:  # a template is user code; its errors are the row's
+                return f"chat template error: {exc}"
+            if isinstance(segments, str):
+                return segments
+        end = self.turn_end(chat=not isinstance(prompt, str))
+        if isinstance(end, str):
+            return end
+        ids = [t for seg in segments for t in seg]
+        room = len(segments) * (self.generate.max_new_tokens + len(end))
+        if len(ids) + room > self.max_length:
+            return (
+                f"no room to generate: {len(ids)} prompt tokens + {len(segments)} x "
+                f"(max_new_tokens {self.generate.max_new_tokens} + {len(end)} end-of-turn) > "
+                f"max_length {self.max_length}"
+            )
+        checked = self._check(ids, None)
+        if isinstance(checked, str):
+            return checked
+        return checked[0], np.zeros(len(ids), np.uint8), [len(seg) for seg in segments]
+
+    def _segments(self, messages: list[dict[str, Any]]) -> list[list[int]] | str:
+        """Each turn to write's preceding tokens: with one turn, the rendering of the messages
+        before it with the generation prompt; with several, the text between the turns of one
+        rendering (every turn a probe), tokenized piece by piece (each starts after a special
+        token: the pieces are the whole's tokens)."""
+        if sum(m["content"] is None for m in messages) == 1:
+            return [self._tokenize([self._render(messages[:-1], True)])[0]]
+        shape = self._turn_shape()
+        if isinstance(shape, str):
+            return shape
+        probe = "HSXPROBEASSISTANT"
+        filled = [{**m, "content": probe} if m["content"] is None else m for m in messages]
+        text = self._render(filled, False)
+        spans = shape.assistant_spans(text, filled)
+        if isinstance(spans, str):
+            return spans
+        cuts = [0, *(e for span in spans for e in span)]
+        pieces = [text[cuts[2 * t] : cuts[2 * t + 1]] for t in range(len(spans))]
+        return self._tokenize(pieces)
 
     def _check(self, ids: list[int], mask: list[int] | None) -> Encoded | str:
         if not ids:

@@ -1,6 +1,8 @@
 """Planning alongside capture: a driver thread that streams the plan into the store and feeds
 each group of planned shards to the queue as it becomes visible, so workers (whose servers
-start meanwhile) capture the first shards while the rest is still being planned."""
+start meanwhile) capture the first shards while the rest is still being planned. A job with
+`generate:` plans its samples from the responses as they become durable
+(cluster/generation_feed.py)."""
 
 from __future__ import annotations
 
@@ -11,10 +13,12 @@ from typing import Any
 import ray
 
 from cluster.config import JobConfig
+from cluster.generation_feed import GenerationStats, generate_into
 from cluster.job_store import plan_into
 from cluster.report import ProgressMeter
 from hsx_store.builder import StoreBuilder
 from hsx_store.format import Shard
+from hsx_store.generated import GeneratedParts
 
 
 class PlanFeed(threading.Thread):
@@ -26,10 +30,14 @@ class PlanFeed(threading.Thread):
         meter: ProgressMeter,
         planners: int | None,
         say: Any = print,
+        gen_queue: Any = None,
     ) -> None:
         super().__init__(daemon=True, name="plan-feed")
         self.builder, self.config, self.queue, self.meter = builder, config, queue, meter
         self.planners, self.say = planners, say
+        self.gen_queue = gen_queue  # a job with `generate:`: its parts of prompts
+        self.generation = GenerationStats() if gen_queue is not None else None
+        meter.generation = self.generation  # the progress line shows it
         self.error: BaseException | None = None
         self._halt = threading.Event()
         self.started_at = self.finished_at = None  # wall clock (time.time), for the report
@@ -39,7 +47,22 @@ class PlanFeed(threading.Thread):
     def run(self) -> None:
         self.started_at = time.time()
         try:
-            plan_into(self.builder, self.config, self.planners, self._feed, self.say, self._halt)
+            if self.generation is not None:
+                generate_into(
+                    self.builder,
+                    self.config,
+                    self.gen_queue,
+                    GeneratedParts(self.builder.store.group.store),
+                    self.planners,
+                    self._feed,
+                    self.generation,
+                    self.say,
+                    self._halt,
+                )
+            else:
+                plan_into(
+                    self.builder, self.config, self.planners, self._feed, self.say, self._halt
+                )
             if not self._halt.is_set():
                 ray.get(self.queue.close.remote())  # only now can the job be finished
         except BaseException as exc:  # the driver's watch loop raises it
@@ -69,4 +92,5 @@ class PlanFeed(threading.Thread):
             "started_at": self.started_at,
             "finished_at": self.finished_at,
             "seconds": None if self.seconds is None else round(self.seconds, 3),
+            **({"generation": self.generation.to_json()} if self.generation else {}),
         }

@@ -10,11 +10,14 @@ import datetime
 import time
 from collections import defaultdict
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from hsx_store.format import STATUS_WRITTEN, Store
+
+if TYPE_CHECKING:  # the feed imports this module's users
+    from cluster.generation_feed import GenerationStats
 
 
 def _duration(seconds: float) -> str:
@@ -38,6 +41,7 @@ class ProgressMeter:
     started: float = field(default_factory=time.monotonic)
     working_since: float | None = None
     planning: bool = False  # the totals still grow as shards are planned
+    generation: GenerationStats | None = None  # a `generate:` job's, as its parts are planned
 
     def line(
         self,
@@ -64,9 +68,15 @@ class ProgressMeter:
         else:  # nothing planned yet, or nothing to do
             fraction = 0.0 if self.planning else 1.0
         phases = ", ".join(f"{n} {phase}" for phase, n in sorted(workers.items()))
+        generated = ""
+        if (g := self.generation) is not None:
+            generated = (
+                f" | generated {g.responses} responses in {g.parts_done}/{g.parts} parts, "
+                f"{g.generated_tokens:,} tokens"
+            )
         return (
             f"{bar(fraction)} {fraction:4.0%} samples {samples}/{self.total_samples}"
-            f"{' (planning)' if self.planning else ''}"
+            f"{' (planning)' if self.planning else ''}{generated}"
             f"{f' ({failed} failed)' if failed else ''} | {rate:,.0f} tok/s | {gbps:.3f} GB/s | "
             f"workers: {phases or 'none'} | elapsed {_duration(now - self.started)} | ETA {eta}"
         )
@@ -164,6 +174,18 @@ def format_report(report: dict[str, Any]) -> str:
         ("this run GB/s", run["gb_per_s"]),
         ("workers lost", len(run["workers_lost"])),
     ]
+    if generation := (run["planning"] or {}).get("generation"):
+        reasons = ", ".join(f"{k} {v}" for k, v in sorted(generation["finish_reasons"].items()))
+        rows += [
+            (
+                "generated",
+                f"{generation['responses']} responses to {generation['prompts']} prompts "
+                f"({generation['reused_parts']} of {generation['parts']} parts kept from an "
+                f"earlier run); finish: {reasons or 'none'}",
+            ),
+            ("generated tokens", f"{generation['generated_tokens']:,}"),
+            ("generated tok/s", generation["generated_tokens_per_s"]),
+        ]
     width = max(len(k) for k, _ in rows)
     lines = ["", "== hidden-state extraction report =="]
     lines += [f"{k:<{width}}  {v}" for k, v in rows]

@@ -210,6 +210,16 @@ class ShardQueue:
             closed=self._closed,
         )
 
+    def outcome(self, shard: int) -> tuple[str, list[str]] | None:
+        """("completed", []) or ("given up", its failures in order) for a shard that is done;
+        None while it may still be completed. Cheaper than status() for one shard."""
+        self._expire()
+        if shard in self._completed:
+            return "completed", []
+        if shard in self._failed:
+            return "given up", list(self._failures.get(shard, []))
+        return None
+
     def finished(self) -> bool:
         """Cheaper than status().finished (no summaries copied): idle workers poll it."""
         self._expire()

@@ -28,7 +28,7 @@ from cluster.config import JobConfig, store_write_bound_s
 
 OUTPUT = Path(__file__).resolve().parent.parent / "docs" / "configuration.md"
 COMMAND = "python -m tools.config_reference"
-SECTIONS = ("model", "data", "store", "server", "worker", "queue", "driver")
+SECTIONS = ("model", "data", "store", "server", "worker", "queue", "driver", "generate")
 
 HEADER = """\
 # Configuration reference
@@ -138,11 +138,12 @@ def cell(text: str) -> str:
     return re.sub(r"docs/([\w/-]+\.md)", r"[\1](\1)", text)
 
 
-def section(name: str, model: type[BaseModel], required: bool) -> list[str]:
+def section(name: str, model: type[BaseModel], required: bool, optional: bool = False) -> list[str]:
     doc = cell(inspect.cleandoc(model.__doc__ or ""))
     source = "actors/config.py" if model.__module__ == "actors.config" else "cluster/config.py"
+    heading = " (required)" if required else " (optional: absent, it is off)" if optional else ""
     lines = [
-        f"## `{name}`" + (" (required)" if required else ""),
+        f"## `{name}`" + heading,
         "",
         f"`{model.__name__}` in [{source}](../{source}): {doc}",
         "",
@@ -165,7 +166,10 @@ def render() -> str:
     lines = [text]
     for name in SECTIONS:
         field = JobConfig.model_fields[name]
-        lines += section(name, field.annotation, field.is_required())
+        # An optional section (`generate`): its model, said to be optional.
+        models = [a for a in get_args(field.annotation) if a is not type(None)]
+        model = models[0] if models else field.annotation
+        lines += section(name, model, field.is_required(), optional=bool(models))
     return "\n".join(lines).rstrip("\n") + "\n"
 
 

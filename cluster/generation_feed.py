@@ -1,0 +1,255 @@
+"""Generate, then capture: the driver's side. Prompts go out in parts to the generation queue;
+each part's responses, once durable, become the store's planned samples, in plan order.
+
+    generate_into(builder, config, gen_queue, keep, on_shards, say, stop, stats)
+
+1. The prompts are planned as rows are today (cluster/plan.py, `generate`): a row's prompt
+   tokens, or a reject (no room for max_new_tokens, nothing to answer, ...).
+2. Every `samples_per_shard // n` prompts make a part: its prompts are written to the store's
+   location (hsx_store/generated.py) and the part goes to the generation queue. A part whose
+   responses are already there (a resumed job) is not generated again.
+3. In part order, each part's responses become samples: the prompt's tokens, then the response's
+   tokens as the server returned them, then the turn end if the response stopped without it;
+   the loss mask covers the response and the turn end. A response cut at max_new_tokens is kept
+   (no turn end) or rejected (`generate.on_length`), an empty one is rejected, and a part the
+   generation queue gave up has every sample rejected with its reason.
+
+Design: docs/design/generation.md.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import threading
+import time
+from collections import Counter, deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import ray
+
+from cluster.config import JobConfig
+from cluster.job_store import describe_plan
+from cluster.plan import PartEnd, PlanError, PlanStream, Reject, Sample
+from hsx_store.builder import StoreBuilder
+from hsx_store.format import Shard
+from hsx_store.generated import GeneratedParts, closed_turn
+
+POLL_S = (0.05, 0.5)  # waiting for a part's generation: first poll, longest backoff
+
+
+def response_seed(job_seed: int, sample_id: str) -> int:
+    """A response's sampling seed, from the job's and the sample id alone: a re-issued part
+    samples with the same seeds (31 bits: any backend's generator takes it)."""
+    digest = hashlib.sha256(f"{job_seed}\0{sample_id}".encode()).digest()
+    return int.from_bytes(digest[:4], "little") & 0x7FFFFFFF
+
+
+def sample_ids(prompt_id: str, n: int) -> list[str]:
+    """The samples of one prompt: its own id when n is 1, else `<id>#0` ... `<id>#<n-1>`."""
+    return [prompt_id] if n == 1 else [f"{prompt_id}#{k}" for k in range(n)]
+
+
+@dataclass
+class GenerationStats:
+    """What the report says of the generation (counted as the driver plans responses)."""
+
+    prompts: int = 0
+    parts: int = 0  # queued (or kept from an earlier run) so far
+    parts_done: int = 0  # whose responses are planned
+    reused_parts: int = 0  # parts whose responses a former run left (not generated again)
+    responses: int = 0
+    generated_tokens: int = 0
+    generate_seconds: float = 0.0  # the workers' wall time generating, summed over parts
+    finish_reasons: Counter[str] = field(default_factory=Counter)
+    rejected: int = 0
+
+    def to_json(self) -> dict[str, Any]:
+        rate = self.generated_tokens / self.generate_seconds if self.generate_seconds else None
+        return {
+            "prompts": self.prompts,
+            "parts": self.parts,
+            "parts_done": self.parts_done,
+            "reused_parts": self.reused_parts,
+            "responses": self.responses,
+            "generated_tokens": self.generated_tokens,
+            "generated_tokens_per_s": None if rate is None else round(rate, 1),
+            "finish_reasons": dict(self.finish_reasons),
+            "rejected": self.rejected,
+        }
+
+
+@dataclass
+class _Part:
+    index: int
+    prompts: list[dict[str, Any]]
+    kept: bool  # its responses were there before this run queued it
+
+
+class ResponsePlanner:
+    """Turns one part's responses into samples and rejects (step 3 of the module doc)."""
+
+    def __init__(self, config: JobConfig) -> None:
+        assert config.generate is not None
+        self.generate = config.generate
+
+    def samples(self, record: dict[str, Any]) -> list[Sample | Reject]:
+        return [self.sample(s) for s in record["samples"]]
+
+    def sample(self, s: dict[str, Any]) -> Sample | Reject:
+        sample_id = s["sample_id"]
+        if "error" in s:
+            return Reject(sample_id, f"generation failed: {s['error']}")
+        ids: list[int] = []
+        mask: list[int] = []
+        for k, (segment, turn) in enumerate(zip(s["segments"], s["turns"], strict=False)):
+            written = closed_turn(turn["output_ids"], turn["finish_reason"], s["turn_end"])
+            if not written or written == s["turn_end"]:
+                return Reject(sample_id, f"empty response (turn {k})")
+            if turn["finish_reason"] == "length" and self.generate.on_length == "reject":
+                return Reject(
+                    sample_id,
+                    f"response cut at max_new_tokens {self.generate.max_new_tokens} (turn {k}; "
+                    "generate.on_length: reject)",
+                )
+            ids += [*segment, *written]
+            mask += [0] * len(segment) + [1] * len(written)
+        return Sample(sample_id, np.asarray(ids, np.int32), np.asarray(mask, np.uint8))
+
+
+def generate_into(
+    builder: StoreBuilder,
+    config: JobConfig,
+    gen_queue: Any,
+    keep: GeneratedParts,
+    planners: int | None,
+    on_shards: Callable[[list[Shard]], None],
+    stats: GenerationStats,
+    say: Any = print,
+    stop: threading.Event | None = None,
+) -> None:
+    """plan_into's counterpart for a job with `generate:` (see the module doc)."""
+    gen = config.generate
+    assert gen is not None
+    stream = PlanStream(
+        config.data,
+        config.model.path,
+        config.model.trust_remote_code,
+        planners=planners,
+        generate=gen,
+    )
+    planner = ResponsePlanner(config)
+    turn_ends = {chat: stream.encoder.turn_end(chat) for chat in (True, False)}
+    per_part = max(1, config.store.samples_per_shard // gen.n)
+    rejected: list[dict[str, str]] = []
+    waiting: deque[_Part] = deque()  # queued, in order, responses not yet planned
+    current: list[dict[str, Any]] = []
+    accepted = 0
+
+    def send(prompts: list[dict[str, Any]]) -> None:
+        part = _Part(stats.parts, prompts, kept=keep.responses(stats.parts) is not None)
+        stats.parts += 1
+        if part.kept:
+            stats.reused_parts += 1
+        else:
+            keep.put_prompts(part.index, prompts)
+            ray.get(gen_queue.add.remote([part.index]))
+        waiting.append(part)
+
+    def plan_ready(block: bool) -> None:
+        """Plan the responses of the parts at the head of `waiting` that are durable; with
+        `block`, wait for every one."""
+        nonlocal accepted
+        delay = POLL_S[0]
+        while waiting:
+            if stop is not None and stop.is_set():
+                return
+            part = waiting[0]
+            # The queue says when a part is done (its responses are kept before it completes):
+            # one cheap call per poll, the store read once.
+            outcome = None if part.kept else ray.get(gen_queue.outcome.remote(part.index))
+            if outcome is None and not part.kept:
+                if not block:
+                    return
+                time.sleep(delay)
+                delay = min(2 * delay, POLL_S[1])
+                continue
+            if outcome is not None and outcome[0] == "given up":
+                failure = "; ".join(outcome[1]) or "given up"
+                samples = [s for p in part.prompts for s in p["samples"]]
+                record = {"samples": [{**s, "error": failure} for s in samples]}
+            else:
+                record = keep.responses(part.index)
+                if record is None:
+                    raise PlanError(f"generation part {part.index} completed but not kept")
+            delay = POLL_S[0]
+            waiting.popleft()
+            stats.parts_done += 1
+            _count(stats, record)
+            for item in planner.samples(record):
+                if isinstance(item, Reject):
+                    rejected.append(item.to_json())
+                    stats.rejected += 1
+                elif shards := builder.add(item.sample_id, item.input_ids, item.loss_mask):
+                    on_shards(shards)
+                accepted += isinstance(item, Sample)
+            if shards := builder.flush():
+                on_shards(shards)
+
+    for item in stream:
+        if stop is not None and stop.is_set():
+            return
+        if isinstance(item, Reject):
+            rejected.append(item.to_json())
+        elif isinstance(item, Sample):
+            assert item.prompt is not None
+            stats.prompts += 1
+            prompt = item.prompt["prompt"]
+            cuts = np.cumsum(item.prompt["segments"])[:-1]
+            current.append(
+                {
+                    "prompt_id": item.sample_id,
+                    "prompt": prompt,
+                    "segments": [seg.tolist() for seg in np.split(item.input_ids, cuts)],
+                    "turn_end": turn_ends[isinstance(prompt, list)],
+                    "samples": [
+                        {"sample_id": sid, "seed": response_seed(gen.seed, sid)}
+                        for sid in sample_ids(item.sample_id, gen.n)
+                    ],
+                }
+            )
+            if len(current) == per_part:
+                send(current)
+                current = []
+        if isinstance(item, PartEnd):
+            plan_ready(block=False)
+    if current:
+        send(current)
+    ray.get(gen_queue.close.remote())
+    plan_ready(block=True)
+    if stop is not None and stop.is_set():
+        return
+    if not accepted:
+        raise PlanError(f"no usable samples: all {len(rejected)} rows or responses were rejected")
+    if shards := builder.finish(rejected):
+        on_shards(shards)
+    say(
+        describe_plan(builder.m, accepted, _tokens(builder), rejected, config.store.url)
+        + f"\ngenerated {stats.responses} responses to {stats.prompts} prompts in "
+        f"{stats.parts} parts ({stats.reused_parts} kept from an earlier run)"
+    )
+
+
+def _tokens(builder: StoreBuilder) -> int:
+    return int(builder.store.sample_length.sum())
+
+
+def _count(stats: GenerationStats, record: dict[str, Any]) -> None:
+    for s in record["samples"]:
+        for turn in s.get("turns", ()):
+            stats.responses += 1
+            stats.generated_tokens += len(turn["output_ids"])
+            stats.finish_reasons[turn["finish_reason"]] += 1
+    stats.generate_seconds += float(record.get("seconds", 0.0))
