@@ -25,7 +25,6 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-import ray
 from transformers import AutoTokenizer
 
 from actors.sglang_server import ServerSpec, SGLangServer
@@ -35,7 +34,7 @@ from cluster.driver import run_job
 from hsx_store.format import Store
 from hsx_store.generated import GeneratedParts
 from patches.settings import CaptureSettings
-from tools.ray_head import private_temp_dir
+from tools.ray_head import local_ray
 from tools.tiny_models import ensure_models
 
 TARGET = 0.9
@@ -142,15 +141,8 @@ def main() -> None:
         where[name].append(said)
         return rate
 
-    with private_temp_dir() as temp_dir:  # a Ray of its own: own ports, own files
-        ray.init(
-            address="local",
-            num_cpus=2,
-            resources={"sglang_node": 1},
-            include_dashboard=False,
-            _temp_dir=temp_dir,
-        )
-        try:
+    try:
+        with local_ray(2, resources={"sglang_node": 1}):  # own ports, own files
             rounds = alternate(
                 baseline=lambda: side(
                     "raw", lambda: raw_samples_per_s(model, prompts, args, work, f"r{next(tags)}")
@@ -160,9 +152,8 @@ def main() -> None:
                 ),
                 rounds=args.rounds,
             )
-        finally:
-            ray.shutdown()
-            shutil.rmtree(work, ignore_errors=True)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
 
     print(
         f"{args.prompts} prompts of {min(map(len, prompts))}-{max(map(len, prompts))} tokens, "

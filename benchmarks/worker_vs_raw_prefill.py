@@ -33,7 +33,7 @@ from cluster.shard_queue import ShardQueueActor
 from hsx_store.format import create_store, make_manifest
 from hsx_store.layers import expected_capture
 from patches.settings import CaptureSettings
-from tools.ray_head import private_temp_dir
+from tools.ray_head import local_ray
 from tools.tiny_models import ensure_models
 
 TARGET = 0.85
@@ -115,15 +115,8 @@ def main() -> None:
     ]
     work = Path(tempfile.mkdtemp(prefix="worker_vs_raw-", dir="/dev/shm"))
     tags = iter(range(2 * args.rounds))
-    with private_temp_dir() as temp_dir:  # a Ray of its own: own ports, own files
-        ray.init(
-            address="local",
-            num_cpus=2,
-            resources={"sglang_node": 1},
-            include_dashboard=False,
-            _temp_dir=temp_dir,
-        )
-        try:
+    try:
+        with local_ray(2, resources={"sglang_node": 1}):  # own ports, own files
             rounds = alternate(
                 baseline=lambda: raw_prefill_tokens_per_s(
                     model, prompts, args.inflight, work, f"r{next(tags)}"
@@ -131,9 +124,8 @@ def main() -> None:
                 measured=lambda: worker_tokens_per_s(model, prompts, args, work, f"r{next(tags)}"),
                 rounds=args.rounds,
             )
-        finally:
-            ray.shutdown()
-            shutil.rmtree(work, ignore_errors=True)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
 
     print(f"{args.prompts} prompts x {args.length} tokens, K={args.inflight} in flight")
     rounds.show("tokens/s", baseline="raw prefill", measured="worker")

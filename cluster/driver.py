@@ -78,7 +78,7 @@ class Driver:
         if todo or builder is not None:
             q = self.config.queue
 
-            def new_queue(shards: list[int], more_coming: bool) -> Any:
+            def new_queue(shards: list[int], more_coming: bool, **options: Any) -> Any:
                 return ShardQueueActor.remote(
                     shards,
                     q.lease_s,
@@ -87,12 +87,14 @@ class Driver:
                     q.straggler_min_s,
                     margin_seconds=self.config.margin_s,
                     more_coming=more_coming,
+                    **options,
                 )
 
             queue = new_queue([sh.index for sh in todo], builder is not None)
             # Parts of prompts to generate: only while a `generate:` job is being planned.
             generating = builder is not None and self.config.generate is not None
-            self.gen_queue = new_queue([], True) if generating else None
+            # A part's one write (its responses) follows its claim: see ShardQueue.
+            self.gen_queue = new_queue([], True, write_after_claim=True) if generating else None
             done = [sh for sh in store.shards if committed[sh.index]]
             meter = ProgressMeter(
                 total_samples=store.num_samples,
@@ -237,6 +239,10 @@ class Driver:
             reason = f"worker failed: {exc.__class__.__name__}"
             detail = str(exc)
         shards = ray.get(queue.release_worker.remote(running.worker_id, reason))
+        if self.gen_queue is not None:  # its parts of prompts too, at once, not at expiry
+            parts = ray.get(self.gen_queue.release_worker.remote(running.worker_id, reason))
+            if parts:
+                self.say(f"{running.worker_id}: parts of prompts {parts} back in the queue")
         slot = (running.node_id, running.slot)
         self.node_failures[slot] = self.node_failures.get(slot, 0) + 1
         self.workers_lost.append({"worker": running.worker_id, "reason": detail[-2000:]})

@@ -65,10 +65,13 @@ class ShardQueue:
         *,
         margin_seconds: float | None = None,
         more_coming: bool = False,
+        write_after_claim: bool = False,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         """`margin_seconds`: None is half the lease (the job config passes one checked against
-        the store's write timeouts)."""
+        the store's write timeouts). `write_after_claim`: every lease is deferred, for work
+        whose one write follows its claim (a part of prompts' responses): a holder lost before
+        it claimed leaves no write window open, and its successor's claim need not wait."""
         margin = lease_seconds / 2 if margin_seconds is None else margin_seconds
         if not 0 < margin < lease_seconds:
             raise ValueError(f"need 0 < margin ({margin}) < lease ({lease_seconds})")
@@ -88,6 +91,7 @@ class ShardQueue:
         self._lease_seconds, self._margin, self._attempts = lease_seconds, margin, shard_attempts
         self._straggler_factor, self._straggler_min = straggler_factor, straggler_min_seconds
         self._clock = clock
+        self._write_after_claim = write_after_claim
         self.add(shards)
         self._closed = not more_coming
 
@@ -120,7 +124,8 @@ class ShardQueue:
             shard = self._pending.popleft()
             self._queued.discard(shard)
             # A former holder may still be writing it (within its window): defer.
-            return self._issue(shard, worker, deferred=bool(self._open_windows(shard)))
+            deferred = self._write_after_claim or bool(self._open_windows(shard))
+            return self._issue(shard, worker, deferred=deferred)
         if not self._closed:  # planning is behind capture: not the tail yet
             return None
         straggler = self._straggler(worker)

@@ -25,6 +25,7 @@ import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
 import requests
 
@@ -42,6 +43,22 @@ def private_temp_dir() -> Iterator[str]:
         yield path
     finally:
         shutil.rmtree(path, ignore_errors=True)
+
+
+@contextmanager
+def local_ray(num_cpus: int, **init: Any) -> Iterator[None]:
+    """This process's own local Ray (own ports, own temp dir, no dashboard), shut down after:
+    for benchmarks that start workers or tasks in-process."""
+    import ray
+
+    with private_temp_dir() as temp_dir:
+        ray.init(
+            address="local", num_cpus=num_cpus, include_dashboard=False, _temp_dir=temp_dir, **init
+        )
+        try:
+            yield
+        finally:
+            ray.shutdown()
 
 
 @contextmanager

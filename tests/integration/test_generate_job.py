@@ -1,14 +1,14 @@
 """Generate, then capture, on the two simulated GPU nodes with the store on S3: the servers
 write every assistant turn anew (greedy, two responses a prompt, each turn fed into the next),
-then capture them; the driver is killed once the first part is kept, and the job resumed. Each
-stored sample is checked against an independent client that writes the same turns on a server
-of its own, its rows against the HF reference, its loss mask against the written turns."""
+then capture them; the worker that kept the first part is killed at once. Each stored sample is
+checked against an independent client that writes the same turns on a server of its own, its
+rows against the HF reference, its loss mask against the written turns."""
 
 from __future__ import annotations
 
 import contextlib
 import json
-import signal
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -16,16 +16,21 @@ from typing import Any
 
 import numpy as np
 import pytest
-import yaml
+import ray
 
 from cluster.config import parse_config
-from cluster.driver import run_job
+from cluster.driver import Driver
+from cluster.generation_feed import GenerationStats, generate_into
+from cluster.job_store import open_or_create
+from cluster.shard_queue import ShardQueueActor
+from cluster.verify import verify
+from hsx_store.export import FORMATS, export
 from hsx_store.format import Store
 from hsx_store.generated import GeneratedParts, read_conversations
+from hsx_store.reader import HiddenStatesDataset
 from tests.helpers.jobs import (
     assert_store_matches_reference,
     job_config,
-    start_driver,
     tokenizer_of,
 )
 from tests.helpers.prompts import write_prompts
@@ -40,9 +45,11 @@ MAX_NEW_TOKENS = 6
 class GeneratedJob:
     url: str
     storage_options: dict[str, Any]
+    config: dict[str, Any]
     rows: list[dict[str, Any]]  # the good input rows, in order
     stop: list[str]  # the job's stop strings
-    kept: dict[int, Any]  # the parts kept when the first driver was killed
+    kept: dict[int, Any]  # the parts kept when a worker was killed
+    killed: str  # that worker
     log: list[str]  # what the drivers said
     secret: str  # the S3 secret key, which no log may hold
 
@@ -63,7 +70,7 @@ def generated_job(
 ) -> GeneratedJob:
     """9 prompts (chat rows with one or two assistant turns, text rows) and one with no room for
     max_new_tokens; two greedy responses each, 4 samples a shard (a part: 2 prompts). The
-    driver is killed as soon as a part is kept, then the job is submitted again."""
+    worker that kept the first part is killed at once; the driver replaces it."""
     root = tmp_path_factory.mktemp("generate-job")
     rows = write_prompts(root / "prompts.jsonl", 9)
     with (root / "prompts.jsonl").open("a") as f:
@@ -79,22 +86,28 @@ def generated_job(
     raw["store"] |= {"storage_options": s3.options, "samples_per_shard": 4}
     raw["queue"]["lease_s"] = 300  # beyond the margin object storage needs (its write bound)
     raw["generate"] = {"turns": "all", "n": 2, "max_new_tokens": MAX_NEW_TOKENS, "stop": stop}
-    (root / "job.yaml").write_text(yaml.safe_dump(raw))
-    cluster = ray_cluster.acquire()
-    first = start_driver(root / "job.yaml", cluster.address, root / "driver.log")
-    keep, deadline = None, time.monotonic() + 400
-    while keep is None or not keep.parts():
-        assert time.monotonic() < deadline and first.poll() is None, "nothing was generated"
-        with contextlib.suppress(Exception):  # not created yet
-            keep = GeneratedParts(Store.open(url, storage_options=s3.options).group.store)
-        time.sleep(0.2)
-    first.send_signal(signal.SIGKILL)
-    first.wait()
-    kept = {k: keep.responses(k) for k in keep.parts()}
-    log = [(root / "driver.log").read_text()]
-    assert run_job(parse_config(raw), say=log.append) == 0, "\n".join(log)[-6000:]
+    log: list[str] = []
+    ray_cluster.acquire()
+    driver = Driver(parse_config(raw), say=log.append)
+    result: list[int] = []
+    thread = threading.Thread(target=lambda: result.append(driver.run()))
+    thread.start()
+    try:
+        keep, deadline = None, time.monotonic() + 400
+        while keep is None or not keep.parts():
+            assert time.monotonic() < deadline and thread.is_alive(), "nothing was generated"
+            with contextlib.suppress(Exception):  # not created yet
+                keep = GeneratedParts(Store.open(url, storage_options=s3.options).group.store)
+            time.sleep(0.1)
+        kept = {k: keep.responses(k) for k in keep.parts()}
+        killed = kept[min(kept)]["worker"]
+        victim = next(r for r in driver.workers.values() if r.worker_id == killed)
+        ray.kill(victim.handle, no_restart=True)
+    finally:
+        thread.join(600)
+    assert result == [0], "\n".join(log)[-6000:]
     ray_cluster.release()
-    return GeneratedJob(url, s3.options, rows, stop, kept, log, s3.secret_access_key)
+    return GeneratedJob(url, s3.options, raw, rows, stop, kept, killed, log, s3.secret_access_key)
 
 
 def chatml_turns(
@@ -173,22 +186,61 @@ def test_each_sample_is_its_prompt_and_the_turns_an_independent_client_writes(
     assert_store_matches_reference(store, deepseek_path, list(range(len(store.shards))))
 
 
-def test_a_killed_driver_does_not_make_a_kept_part_generate_again(
+def test_a_killed_worker_does_not_make_a_part_it_kept_generate_again(
     generated_job: GeneratedJob,
 ) -> None:
     store = generated_job.store()
     keep = GeneratedParts(store.group.store)
-    workers = {keep.responses(k)["worker"] for k in keep.parts()}
-    assert len(workers) >= 2, "the parts were generated by several workers"
     kept = generated_job.kept
-    assert 1 <= len(kept) < len(keep.parts()), "the driver was killed before the job's end"
+    assert len(kept) < len(keep.parts()), "the worker was killed before the job's end"
     assert {k: keep.responses(k) for k in kept} == kept, "a kept part was generated again"
     report = store.group.attrs["report"]
-    assert report["run"]["resumed"] and report["ok"]
-    assert report["run"]["planning"]["generation"]["reused_parts"] >= len(kept)
+    assert [w["worker"] for w in report["run"]["workers_lost"]] == [generated_job.killed]
+    workers = {keep.responses(k)["worker"] for k in keep.parts()}
+    assert len(workers) >= 2, "several workers generated parts"
     summaries = [store.summary(k) for k in range(len(store.shards))]
     assert sum(s["written"] for s in summaries) == store.num_samples  # every sample once
-    assert generated_job.secret not in "\n".join(generated_job.log)
+
+
+def test_a_resumed_plan_takes_the_kept_parts_and_queues_none_again(
+    generated_job: GeneratedJob, ray_nodes: Any, s3: S3Server, tmp_path: Path
+) -> None:
+    """What a resumed driver does with parts kept before it was killed: plans their samples as
+    they are, never queues them (here the job's kept parts, in a store of their own)."""
+    raw = {**generated_job.config, "store": {**generated_job.config["store"]}}
+    raw["store"]["url"] = s3.url(f"{tmp_path.name}/again.zarr")
+    config = parse_config(raw)
+    store, resumed, builder = open_or_create(config, say=lambda _: None)
+    assert not resumed and builder is not None
+    job = generated_job.store()
+    done, here = GeneratedParts(job.group.store), GeneratedParts(store.group.store)
+    for k in done.parts():
+        here.put_prompts(k, done.prompts(k))
+        here.put_responses(k, done.responses(k))
+    gen_queue = ShardQueueActor.remote([], lease_seconds=60, more_coming=True)
+    stats = GenerationStats()
+    generate_into(builder, config, gen_queue, here, 0, lambda shards: None, stats, lambda _: None)
+    assert ray.get(gen_queue.status.remote()).total == 0, "a kept part was queued again"
+    assert stats.reused_parts == stats.parts == len(done.parts())
+    store = Store.open(raw["store"]["url"], storage_options=s3.options)
+    for name in ("sample_id", "sample_start", "sample_length", "input_ids", "loss_mask"):
+        assert np.array_equal(store.group[name][:], job.group[name][:]), name
+    assert store.rejected == job.rejected
+
+
+def test_a_generated_store_is_verified_read_and_exported_as_any_store(
+    generated_job: GeneratedJob, tmp_path: Path
+) -> None:
+    url, options, log = generated_job.url, generated_job.storage_options, [*generated_job.log]
+    report = verify(url, storage_options=options, say=log.append)
+    samples = 2 * len(generated_job.rows)
+    assert report.ok and report.checked["samples_written"] == samples, report.format()
+    reader = HiddenStatesDataset(url, storage_options=options)
+    assert len(reader) == samples and reader[0]["loss_mask"].any()
+    for fmt in FORMATS:
+        result = export(url, tmp_path / fmt, fmt, storage_options=options, say=log.append)
+        assert result["files"] == samples
+    assert generated_job.secret not in "\n".join(log) + report.format()
 
 
 def test_a_response_tokenized_again_from_its_text_is_not_what_the_model_wrote(

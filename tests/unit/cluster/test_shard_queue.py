@@ -99,6 +99,24 @@ def test_a_dead_workers_shards_go_back_at_once_deferred_until_its_windows_end() 
     assert (status.pending, status.leased, status.completed) == (2, 1, 0)
 
 
+def test_with_write_after_claim_only_a_dead_claimant_fences_its_successor() -> None:
+    """A part of prompts is written once, after its claim: a holder lost before claiming can
+    never write, so its successor claims at once; one lost after claiming may still have its
+    write in flight, so its successor waits for that window."""
+    clock = Clock()
+    queue = ShardQueue([0, 1], lease_seconds=10, margin_seconds=4, write_after_claim=True,
+                       clock=clock)  # fmt: skip
+    unclaimed, claimed = queue.acquire("dead"), queue.acquire("dead")
+    assert unclaimed is not None and claimed is not None and unclaimed.deferred
+    assert queue.claim(claimed.lease_id) == Claim(True, 0.0)
+    assert sorted(queue.release_worker("dead")) == [0, 1]
+    again = {
+        lease.shard: lease for lease in (queue.acquire("next"), queue.acquire("next")) if lease
+    }
+    assert queue.claim(again[unclaimed.shard].lease_id) == Claim(True, 0.0)
+    assert queue.claim(again[claimed.shard].lease_id).wait == pytest.approx(14.0)
+
+
 def finish(queue: ShardQueue, worker: str) -> int:
     lease = queue.acquire(worker)
     assert lease is not None and queue.claim(lease.lease_id) == Claim(True)
