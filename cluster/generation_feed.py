@@ -148,8 +148,10 @@ def generate_into(
     current: list[dict[str, Any]] = []
     accepted = 0
 
+    kept_before = set(keep.parts())  # one listing: a fresh store has none, a resumed one some
+
     def send(prompts: list[dict[str, Any]]) -> None:
-        part = _Part(stats.parts, prompts, kept=keep.responses(stats.parts) is not None)
+        part = _Part(stats.parts, prompts, kept=stats.parts in kept_before)
         stats.parts += 1
         if part.kept:
             stats.reused_parts += 1
