@@ -17,7 +17,6 @@ from __future__ import annotations
 import json
 import os
 import secrets
-import socket
 import subprocess
 import sys
 import tempfile
@@ -28,6 +27,7 @@ from pathlib import Path
 import requests
 import torch
 
+from actors.ports import free_port
 from actors.process_group import group_pids, kill_group, shm_files
 from actors.server_log import RedactedLog
 from patches.settings import CaptureSettings
@@ -48,12 +48,6 @@ class ServerSpec:
     extra_args: list[str] = field(default_factory=list)
     extra_env: dict[str, str] = field(default_factory=dict)
     device: str | None = None  # None: "cuda" when available, else "cpu"
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
 
 
 def build_command(spec: ServerSpec, port: int, keys_file: Path) -> list[str]:

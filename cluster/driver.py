@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import ray
-from ray.exceptions import GetTimeoutError, RayActorError, RayError
+from ray.exceptions import RayActorError, RayError
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from actors.node_worker import NodeWorker, reclaim_after
@@ -39,6 +39,7 @@ from cluster.shard_queue import QueueStatus, ShardQueueActor
 from hsx_store.location import describe_failure
 
 RECLAIM_WAIT_S = 90.0  # the job's end waits this long at most for its nodes' sweeps
+STATUS_WAIT_S = 5.0  # for the workers' answers to `status`
 
 
 @dataclass
@@ -47,6 +48,7 @@ class _Running:
     worker_id: str
     handle: Any
     slot: int = 0  # which of its node's servers (worker.servers_per_node) it runs
+    phase: str = "starting"  # as it last answered (actors/node_worker.py `status`)
 
 
 @dataclass
@@ -165,6 +167,7 @@ class Driver:
                 self._start_missing_workers(queue)
             elif finished_at is None:
                 finished_at = time.monotonic()
+                self._stop_starting_workers()
             elif time.monotonic() - finished_at > self.config.driver.finish_grace_s:
                 self._stop_lingering_workers()
                 continue
@@ -191,6 +194,23 @@ class Driver:
         for ref, running in list(self.workers.items()):
             self.say(f"{running.worker_id}: stopping it ({why})")
             self._kill(running)
+            del self.workers[ref]
+
+    def _stop_starting_workers(self) -> None:
+        """Once every shard is done, a worker still starting holds no shard and has nothing to
+        finish: stopped at once rather than waited for until its server is up. Asked afresh
+        (its last answer may be a tick old); one that does not answer within seconds is an
+        actor whose process is still coming up."""
+        asked = {w.handle.status.remote(): (ref, w) for ref, w in self.workers.items()}
+        answered, silent = ray.wait(list(asked), num_returns=len(asked), timeout=STATUS_WAIT_S)
+        starting = [asked[state] for state in silent]
+        for state in answered:
+            with contextlib.suppress(RayError):  # a worker that just stopped: reaped as usual
+                if ray.get(state)["phase"] == "starting":
+                    starting.append(asked[state])
+        for ref, worker in starting:
+            self.say(f"{worker.worker_id}: stopping it (still starting when every shard was done)")
+            self._kill(worker)
             del self.workers[ref]
 
     def _stop_lingering_workers(self) -> None:
@@ -321,17 +341,25 @@ class Driver:
         committed. Workers first, then the queue: a shard committed between the two reads is
         then in the queue's summaries, where its worker's state might no longer show it; the
         other way round it was counted in neither and the count went backwards."""
-        refs = [r.handle.status.remote() for r in self.workers.values()]
-        try:
-            states = ray.get(refs, timeout=5)
-        except (GetTimeoutError, RayError):
-            states = []  # a worker busy dying: the next line catches up
+        asked = {r.handle.status.remote(): r for r in self.workers.values()}
+        answered, _ = (
+            ray.wait(list(asked), num_returns=len(asked), timeout=5) if asked else ([], [])
+        )
+        states = []
+        for ref in answered:
+            try:
+                state = ray.get(ref)
+            except RayError:
+                continue  # a worker busy dying: the next line catches up
+            asked[ref].phase = state["phase"]
+            states.append(state)
         status: QueueStatus = ray.get(queue.status.remote())
         # Samples of shards still in progress (a finished shard is in the summaries already).
         in_flight = sum(s["written"] for s in states if s["shard"] not in status.summaries)
-        phases = Counter(s["phase"] for s in states)
+        # A worker slow to answer (its process still coming up) counts as it last answered.
+        phases = Counter(r.phase for r in asked.values())
         line = meter.line(list(status.summaries.values()), in_flight, dict(phases))
-        known = tuple(sorted(phases.items())) if len(states) == len(refs) else None
+        known = tuple(sorted(phases.items())) if len(states) == len(asked) else None
         return line, known, len(status.summaries)
 
 

@@ -29,7 +29,7 @@ from typing import Any
 
 import requests
 
-from actors.sglang_server import free_port
+from actors.ports import free_port
 
 BIN = Path(sys.executable).parent  # the venv's ray and python
 

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 import tempfile
@@ -28,6 +27,8 @@ from typing import Any
 
 import boto3
 import requests
+
+from actors.ports import free_port
 
 REGION = "us-east-1"
 USER = "hsx"
@@ -93,12 +94,6 @@ def _client(service: str, endpoint: str, key_id: str, secret: str) -> Any:
         aws_access_key_id=key_id,
         aws_secret_access_key=secret,
     )
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _wait_until_up(endpoint: str, process: subprocess.Popen[bytes]) -> None:

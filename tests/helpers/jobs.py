@@ -218,3 +218,7 @@ class FinishedJob:
     rows: list[dict[str, Any]]  # the good input rows, in order
     log: list[str]  # what the driver said
     config: dict[str, Any]
+    killed: str  # the worker killed mid-job
+    killed_slot: int  # its server slot on the node
+    captured_while_planning: bool  # a shard was committed while the plan was incomplete
+    leftovers: list[str]  # what the job left on the node: hsx-* folders, server segments

@@ -2,29 +2,82 @@
 
 from __future__ import annotations
 
+import itertools
+import threading
+import time
 from pathlib import Path
 
+import numpy as np
 import pytest
+import ray
 
+from actors.private_folders import SHM_ROOT
+from cluster import plan_sources
 from cluster.config import parse_config
-from cluster.driver import run_job
-from tests.helpers.jobs import FinishedJob, job_config
+from cluster.driver import Driver
+from cluster.plan_feed import PlanFeed
+from hsx_store.format import Store
+from tests.helpers.jobs import FinishedJob, job_config, store_committed
 from tests.helpers.prompts import write_prompts
-from tests.helpers.ray_cluster import SimulatedCluster
+from tests.helpers.ray_cluster import PAIR_NODE, SimulatedCluster
 
 
 @pytest.fixture(scope="session")
 def deepseek_job(
     ray_cluster: SimulatedCluster, deepseek_path: Path, tmp_path_factory: pytest.TempPathFactory
 ) -> FinishedJob:
-    """One job on the tiny DeepseekV3 (served in float32, layers [0, 1, 3]) over both sglang
-    nodes: 12 good rows (chat and text) and 5 bad ones, 3 samples a shard. Read it only; copy
-    the store to change it."""
+    """One job on the tiny DeepseekV3 (served in float32, layers [0, 1, 3]) by two servers on
+    one node: 12 good rows (chat and text) and 5 bad ones, 3 samples a shard, planned in parts
+    of a few rows. Planning holds after its first shards until one is committed (so capture
+    starts while the rest is planned); the worker that committed it is then killed, and the
+    driver replaces it in its slot. Read it only; copy the store to change it."""
     root = tmp_path_factory.mktemp("deepseek-job")
     rows = write_prompts(root / "prompts.jsonl", 12, bad=True)
-    config = job_config(deepseek_path, root / "prompts.jsonl", root / "s.zarr", root)
+    raw = job_config(deepseek_path, root / "prompts.jsonl", root / "s.zarr", root)
+    # What the killed worker leaves on the node goes at once (its log too).
+    raw["worker"].update(node_resource=PAIR_NODE, servers_per_node=2, log_retention_s=0)
+    segments_before = server_segments()
+    resume_planning, fed = threading.Event(), itertools.count()
+    feed = PlanFeed._feed
+
+    def held_feed(self: PlanFeed, shards: list) -> None:
+        if next(fed) > 0:
+            assert resume_planning.wait(600), "planning was never resumed"
+        feed(self, shards)
+
     log: list[str] = []
+    result: list[int] = []
     ray_cluster.acquire()
-    assert run_job(parse_config(config), say=log.append) == 0, "\n".join(log)[-6000:]
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(plan_sources, "PART_BYTES", 400)  # parts of a few rows each
+        patch.setattr(PlanFeed, "_feed", held_feed)
+        driver = Driver(parse_config(raw), say=log.append)
+        thread = threading.Thread(target=lambda: result.append(driver.run()))
+        thread.start()
+        try:
+            deadline = time.monotonic() + 400
+            while store_committed(root / "s.zarr") < 1:
+                assert time.monotonic() < deadline and thread.is_alive(), "nothing committed"
+                time.sleep(0.2)
+            store = Store.open(root / "s.zarr")
+            planning_when_captured = not store.planned
+            (committed,) = np.flatnonzero(store.committed()).tolist()
+            committer = store.summary(committed)["worker"]
+            victim = next(r for r in driver.workers.values() if r.worker_id == committer)
+            ray.kill(victim.handle, no_restart=True)
+        finally:
+            resume_planning.set()
+            thread.join(600)
+    assert result == [0], "\n".join(log)[-6000:]
     ray_cluster.release()
-    return FinishedJob(root / "s.zarr", rows, log, config)
+    leftovers = sorted(p.name for p in root.glob("hsx-*"))
+    leftovers += sorted(server_segments() - segments_before)
+    return FinishedJob(
+        root / "s.zarr", rows, log, raw, victim.worker_id, victim.slot, planning_when_captured,
+        leftovers,
+    )  # fmt: skip
+
+
+def server_segments() -> set[str]:
+    """What SGLang servers leave in /dev/shm when killed (their load snapshot, semaphores)."""
+    return {p.name for p in SHM_ROOT.iterdir() if p.name.startswith(("sglang_loads_", "sem.mp-"))}

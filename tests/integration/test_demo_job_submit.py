@@ -18,17 +18,31 @@ from tools.demo import REPO
 from tools.s3_server import S3Server
 
 
-def test_ray_job_submit_runs_the_demo_job_end_to_end(
-    demo: Callable[[list[str]], int], models_dir: Path, tmp_path: Path, capfd: pytest.CaptureFixture
+def test_ray_job_submit_runs_the_demo_job_end_to_end_on_s3_through_the_environment_alone(
+    demo: Callable[[list[str]], int],
+    models_dir: Path,
+    tmp_path: Path,
+    s3: S3Server,
+    capfd: pytest.CaptureFixture,
 ) -> None:
-    """With a log growing in the checkout meanwhile, as `make demo > demo.log` makes one: the
-    job's package leaves it out (before, the job's runtime environment failed to set up)."""
-    with growing_file(REPO / f"demo-{uuid.uuid4().hex[:8]}.log"):
-        status = demo(["--models", str(models_dir), "--out", str(tmp_path)])
+    """As on a cluster without a shared filesystem: the store's endpoint and credentials are in
+    the environment the Ray head starts with (so its workers and the job have them), not in the
+    job's config. With a log growing in the checkout meanwhile, as `make demo > demo.log` makes
+    one: the job's package leaves it out (before, the job's runtime environment failed to set
+    up). The demo's default store, a local directory, is the one every other job test uses."""
+    url = s3.url(f"{tmp_path.name}/demo.zarr")
+    with (
+        pytest.MonkeyPatch.context() as env,
+        growing_file(REPO / f"demo-{uuid.uuid4().hex[:8]}.log"),
+    ):
+        for name, value in s3.environment.items():
+            env.setenv(name, value)
+        status = demo(["--models", str(models_dir), "--out", str(tmp_path), "--store", url])
     out = capfd.readouterr().out
 
     assert status == 0, out[-5000:]
-    store = Store.open(tmp_path / "demo.zarr")
+    store = Store.open(url, storage_options=s3.options)
+    assert not list(tmp_path.rglob("zarr.json")), "nothing of the store is on local disk"
     assert store.committed().all()
     assert (np.asarray(store.group["sample_status"][:]) == 1).all()
     report = store.group.attrs["report"]
@@ -41,6 +55,7 @@ def test_ray_job_submit_runs_the_demo_job_end_to_end(
     # on each change of state, not one per 2 s poll.
     progress = [line for line in out.splitlines() if "| elapsed " in line]
     assert 1 <= len(progress) <= report["run"]["seconds"] / 10 + 8, progress
+    assert s3.secret_access_key not in out
     # The head it started is gone.
     address = next(w for w in out.split() if w.startswith("http://127.0.0.1:"))
     with pytest.raises(requests.ConnectionError):
@@ -66,27 +81,3 @@ def growing_file(path: Path) -> Iterator[None]:
         stop.set()
         writer.join()
         path.unlink(missing_ok=True)
-
-
-def test_the_demo_job_on_s3_reaches_its_store_through_the_environment_alone(
-    demo: Callable[[list[str]], int],
-    models_dir: Path,
-    tmp_path: Path,
-    s3: S3Server,
-    capfd: pytest.CaptureFixture,
-) -> None:
-    """As on a cluster without a shared filesystem: the endpoint and credentials are in the
-    environment the Ray head starts with (so its workers and the job have them), not in the
-    job's config."""
-    url = s3.url(f"{tmp_path.name}/demo.zarr")
-    with pytest.MonkeyPatch.context() as env:
-        for name, value in s3.environment.items():
-            env.setenv(name, value)
-        status = demo(["--models", str(models_dir), "--out", str(tmp_path), "--store", url])
-    out = capfd.readouterr().out
-
-    assert status == 0, out[-5000:]
-    store = Store.open(url, storage_options=s3.options)
-    assert store.committed().all() and store.group.attrs["report"]["ok"]
-    assert not list(tmp_path.rglob("zarr.json")), "nothing of the store is on local disk"
-    assert s3.secret_access_key not in out

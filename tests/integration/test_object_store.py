@@ -20,6 +20,7 @@ import zarr
 from torch.utils.data import DataLoader
 
 from actors.lease_keeper import LeaseLost
+from actors.ports import free_port
 from actors.shard_writer import ShardWriter
 from cluster.shard_queue import ShardQueue
 from hsx_store.export import FORMATS
@@ -42,7 +43,7 @@ from tests.helpers.synthetic import (
     plan,
     sample_bits,
 )
-from tools.s3_server import S3Server, free_port
+from tools.s3_server import S3Server
 
 
 def fresh_url(s3: S3Server) -> tuple[str, str]:
