@@ -8,6 +8,9 @@ verify --store URL [--model PATH --recompute N --logprobs N]
 export --store URL --format {specforge,speculators} --out DIR [--allow-post-norm]
     write the committed samples in a trainer's offline format; exit 0: every committed
     sample exported, 1: an error (printed), 2: the store cannot be opened
+status --store URL [--follow] [--json]
+    what the store says about its job, while it runs or after; exit 0: complete, 1: not
+    (yet), 2: not a readable store
 """
 
 from __future__ import annotations
@@ -26,7 +29,11 @@ from hsx_store.builder import PlanDiverged
 from hsx_store.format import StoreFormatError
 from hsx_store.location import StoreAccessError
 
-DELEGATED = {"verify": "cluster.verify", "export": "hsx_store.export"}  # own argument parsers
+DELEGATED = {  # own argument parsers
+    "verify": "cluster.verify",
+    "export": "hsx_store.export",
+    "status": "cluster.status",
+}
 SHORTCUTS = {  # --model X is --set model.path=X, and so on
     "model": "model.path",
     "data": "data.paths",

@@ -17,12 +17,16 @@ Every key, shape and dtype: docs/using-the-data.md.
 
 from __future__ import annotations
 
+import hashlib
+import logging
 import os
+import time
 from collections.abc import Iterable, Iterator, Mapping
 from typing import Any, Literal
 
 import numpy as np
 import torch
+import zarr
 from torch.utils.data import Dataset, IterableDataset, get_worker_info
 
 from hsx_store import file_rows, object_rows
@@ -35,6 +39,7 @@ from hsx_store.read_ahead import Block
 
 Sample = dict[str, Any]
 Fp8Mode = Literal["dequantize", "raw"]
+log = logging.getLogger(__name__)
 PLAN_ARRAYS = ("input_ids", "loss_mask")
 
 
@@ -44,7 +49,8 @@ def token_arrays(manifest: Manifest) -> list[str]:
 
 
 class _StoreView:
-    """What both readers share: the visible samples and a per-process store handle."""
+    """What both readers share: the committed shards seen so far, their samples' ids and
+    status, and a per-process store handle. `refresh()` catches up with later commits."""
 
     def __init__(
         self,
@@ -61,23 +67,60 @@ class _StoreView:
         store = Store.open(self.url, storage_options=storage_options)
         self.manifest: Manifest = store.manifest
         self.token_arrays = token_arrays(self.manifest)
-        committed = store.committed()
-        status = np.asarray(store.group["sample_status"][:])
-        self.shards: list[Shard] = [sh for sh in store.shards if committed[sh.index]]
-        self.visible = np.array(
-            [
-                i
-                for sh in self.shards
-                for i in range(sh.sample_begin, sh.sample_end)
-                if status[i] == STATUS_WRITTEN
-            ],
-            dtype=np.int64,
-        )
-        self.sample_start, self.sample_length = store.sample_start, store.sample_length
-        self.sample_ids = np.asarray(store.group["sample_id"][:])
         self._store: Store | None = store
         self._opened_by = os.getpid()
         self._rows: FileRows | RemoteRows | None = None
+        self.shards: list[Shard] = []  # committed, in the order this view saw them commit
+        self.seen: set[int] = set()  # their indices
+        self.sample_ids = np.zeros(0, dtype=object)
+        self.written = np.zeros(0, dtype=bool)  # per sample: in a committed shard, and written
+        self.refresh()
+
+    def refresh(self) -> list[Shard]:
+        """The shards committed since this view last looked (the plan may have grown too):
+        their samples' ids and status read once, when their commit is first seen. A shard
+        commits once (its first claim wins), so no shard is seen twice."""
+        store = self.store
+        store.refresh()
+        committed = store.committed()
+        new = [sh for sh in store.shards if committed[sh.index] and sh.index not in self.seen]
+        self.sample_start, self.sample_length = store.sample_start, store.sample_length
+        if not new:
+            return []
+        grow = store.num_samples - len(self.written)
+        if grow and self._rows is not None:  # the plan grew, its arrays too: handles afresh
+            self._rows = None
+        self.sample_ids = np.concatenate([self.sample_ids, np.full(grow, "", dtype=object)])
+        self.written = np.concatenate([self.written, np.zeros(grow, dtype=bool)])
+        begin, end = min(sh.sample_begin for sh in new), max(sh.sample_end for sh in new)
+        ids = np.asarray(store.array("sample_id")[begin:end])
+        status = np.asarray(store.array("sample_status")[begin:end])
+        for sh in new:
+            at, of = (
+                slice(sh.sample_begin, sh.sample_end),
+                slice(sh.sample_begin - begin, sh.sample_end - begin),
+            )
+            self.sample_ids[at] = ids[of]
+            self.written[at] = status[of] == STATUS_WRITTEN
+        self.shards += new
+        self.seen.update(sh.index for sh in new)
+        return new
+
+    @property
+    def visible(self) -> np.ndarray:
+        """Store indices of the written samples of the committed shards seen, ascending."""
+        return np.flatnonzero(self.written)
+
+    def complete(self) -> bool:
+        """Every shard of a finished plan is committed: nothing more will come."""
+        store = self.store
+        return store.planned and len(self.seen) == len(store.shards)
+
+    def report(self) -> dict[str, Any] | None:
+        """The report of the store's last finished run, read afresh (None: no run ended yet)."""
+        group = zarr.open_group(store=self.store.group.store, mode="r", zarr_format=3)
+        report = group.attrs.get("report")
+        return dict(report) if isinstance(report, Mapping) else None
 
     def __getstate__(self) -> dict[str, Any]:
         return {**self.__dict__, "_store": None, "_rows": None}  # per process
@@ -171,12 +214,13 @@ class _VisibleSamples:
         """Store indices of the visible samples, ascending (item k of the Dataset is the k-th)."""
         return self._view.visible
 
-    def __len__(self) -> int:  # for the iterable: across all consumers
-        return len(self._view.visible)
+    def __len__(self) -> int:  # for the iterable: across all consumers, as seen so far
+        return int(self._view.written.sum())
 
 
 class HiddenStatesDataset(_VisibleSamples, Dataset):
-    """Random access: item k is the k-th visible sample, in store (= plan) order."""
+    """Random access: item k is the k-th visible sample, in store (= plan) order, of the
+    shards committed when it was built (a snapshot: follow a running job with the iterable)."""
 
     def __init__(
         self,
@@ -185,29 +229,52 @@ class HiddenStatesDataset(_VisibleSamples, Dataset):
         fp8: Fp8Mode = "dequantize",
     ) -> None:
         self._view = _StoreView(url, storage_options, fp8=fp8)
+        self._visible = self._view.visible
+
+    @property
+    def sample_indices(self) -> np.ndarray:
+        return self._visible
 
     def __getitem__(self, k: int) -> Sample:
         if not -len(self) <= k < len(self):
             raise IndexError(f"sample {k} out of range for {len(self)} visible samples")
-        i = int(self._view.visible[k])
+        i = int(self._visible[k])
         start, length = int(self._view.sample_start[i]), int(self._view.sample_length[i])
         rows = self._view.read_rows(start, start + length)
         return self._view.sample(i, rows, start)
 
 
 class HiddenStatesIterable(_VisibleSamples, IterableDataset):
-    """Sequential and shard-aware: committed shards are dealt round-robin to the consumers
-    (`world_size` ranks x DataLoader workers each), so every visible sample is yielded exactly
-    once per epoch across them. Each shard is read in contiguous blocks of whole samples of at
-    most `block_bytes` (one read per array per block; a larger sample is a block of its own),
-    so memory stays bounded; 16 MB blocks read fastest here (malloc reuses their memory, where
-    larger ones are mapped afresh and page-faulted in). `shuffle`
-    permutes the shard order per `epoch` (same on every rank: set `epoch` before each one).
+    """Sequential and shard-aware; with `follow=True`, it follows a running job.
 
-    The next blocks are read while the consumer works on the current one, at most
-    `concurrency` reads in flight and about `prefetch_bytes` ahead (at least the next block).
-    Defaults: local files 8 reads and 128 MB (hsx_store/file_rows.py); object storage 8 GETs and
-    256 MB of whole chunk objects, each fetched once (hsx_store/object_rows.py)."""
+    **Who reads what.** Each consumer (`world_size` ranks x DataLoader workers each) takes the
+    committed shards k with (k + r) % consumers == its number, r = 0 unshuffled, else drawn
+    from (seed, epoch): the rule needs no knowledge of the other shards, so it holds as shards
+    commit mid-epoch, and every visible sample is yielded exactly once per epoch across the
+    consumers. A consumer reads its shards in index order, or `shuffle`d by (seed, epoch) (the
+    same on every rank: call `set_epoch` before each epoch).
+
+    **Follow mode.** The shards committed when iteration starts come first; then the reader
+    polls the store (every `poll_s`, backing off to `max_poll_s` while nothing commits) and
+    reads each new shard of its own. A shard is yielded only once committed, and never twice: a
+    shard commits once (a tail duplicate that loses the claim never commits). It ends when the
+    plan is complete and every shard committed, when a run of the job ends (a new report in
+    the store; a later commit is still read first), or after `idle_timeout_s` without a new
+    commit (None: never); `ended` says which, and it is logged.
+
+    **A cursor.** `state_dict()` says which of its shards this consumer finished this epoch
+    and how many samples of the current one it yielded; `load_state_dict()` before iterating
+    resumes right after them, so a trainer that checkpoints it sees every sample once across a
+    restart, also while the job still writes. With DataLoader workers, use torchdata's
+    `StatefulDataLoader`, which keeps one per worker.
+
+    Each shard is read in contiguous blocks of whole samples of at most `block_bytes` (one read
+    per array per block; a larger sample is a block of its own), so memory stays bounded; 16 MB
+    blocks read fastest here (malloc reuses their memory, where larger ones are mapped afresh
+    and page-faulted in). The next blocks are read while the consumer works on the current one,
+    at most `concurrency` reads in flight and about `prefetch_bytes` ahead (at least the next
+    block). Defaults: local files 8 reads and 128 MB (hsx_store/file_rows.py); object storage 8
+    GETs and 256 MB of whole chunk objects, each fetched once (hsx_store/object_rows.py)."""
 
     def __init__(
         self,
@@ -222,11 +289,22 @@ class HiddenStatesIterable(_VisibleSamples, IterableDataset):
         concurrency: int | None = None,
         prefetch_bytes: int | None = None,
         fp8: Fp8Mode = "dequantize",
+        follow: bool = False,
+        poll_s: float = 2.0,
+        max_poll_s: float = 10.0,
+        idle_timeout_s: float | None = 1800.0,
     ) -> None:
+        if not 0 < poll_s <= max_poll_s:
+            raise ValueError(f"need 0 < poll_s <= max_poll_s, got {poll_s} and {max_poll_s}")
         self._view = _StoreView(url, storage_options, concurrency, prefetch_bytes, fp8)
         self.rank, self.world_size = rank, world_size
         self.shuffle, self.seed, self.epoch = shuffle, seed, 0
         self.block_bytes = block_bytes
+        self.follow, self.poll_s, self.max_poll_s = follow, poll_s, max_poll_s
+        self.idle_timeout_s = idle_timeout_s
+        self.ended: str | None = None  # why the last followed iteration ended
+        self._cursor: Cursor | None = None  # the iteration under way (or the last one)
+        self._loaded: dict[str, Any] | None = None  # a saved cursor, for the next iteration
 
     def set_epoch(self, epoch: int) -> None:
         self.epoch = epoch
@@ -241,29 +319,115 @@ class HiddenStatesIterable(_VisibleSamples, IterableDataset):
         workers, worker = (info.num_workers, info.id) if info else (1, 0)
         return rank * workers + worker, world * workers
 
-    def __iter__(self) -> Iterator[Sample]:
+    # -- the cursor --------------------------------------------------------------------------
+
+    def state_dict(self) -> dict[str, Any]:
+        """Where this consumer is: save it with the trainer's checkpoint."""
+        if self._cursor is not None and self._cursor.epoch == self.epoch:
+            return self._cursor.state()
+        if self._loaded is not None:
+            return dict(self._loaded)
+        return Cursor(self.epoch, self.seed, self.shuffle, *self._consumer()).state()
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Resume from a saved `state_dict()` at the next iteration (its epoch becomes this
+        reader's)."""
+        if state.get("version") != CURSOR_VERSION:
+            raise ValueError(f"not a reader cursor of version {CURSOR_VERSION}: {dict(state)}")
+        self._loaded, self._cursor = dict(state), None
+        self.epoch = int(state["epoch"])
+
+    def _start(self) -> Cursor:
         me, consumers = self._consumer()
-        order = np.arange(len(self._view.shards))
-        if self.shuffle:
-            order = np.random.default_rng((self.seed, self.epoch)).permutation(order)
-        visible = set(self._view.visible.tolist())
-        shards = (self._view.shards[int(k)] for k in order[me::consumers])
-        blocks = (
-            block
-            for shard in shards
-            for block in self._blocks(shard)
-            if any(n in visible for n in range(*block.tag))  # not only failed samples
-        )
+        cursor = Cursor(self.epoch, self.seed, self.shuffle, me, consumers)
+        loaded, self._loaded = self._loaded, None
+        if loaded is not None and int(loaded["epoch"]) == self.epoch:
+            cursor.resume(loaded)
+        self._cursor = cursor
+        return cursor
+
+    # -- reading -----------------------------------------------------------------------------
+
+    def __iter__(self) -> Iterator[Sample]:
+        cursor = self._start()
+        view, self.ended = self._view, None
+        poll, last_commit = self.poll_s, time.monotonic()
+        report = view.report() if self.follow else None
+        while True:
+            batch = self._assigned(cursor)
+            if batch:
+                yield from self._read(batch, cursor)
+            if not self.follow:
+                return
+            ended = self._end(report)
+            if view.refresh():  # before ending too: a commit just before the report
+                poll, last_commit = self.poll_s, time.monotonic()
+                continue
+            idle = time.monotonic() - last_commit
+            if ended is None and self.idle_timeout_s is not None and idle > self.idle_timeout_s:
+                ended = f"no shard committed for {self.idle_timeout_s:g} s"
+            if ended is not None:
+                self.ended = ended
+                log.info("%s: following ended: %s", view.url, ended)
+                return
+            time.sleep(poll)
+            poll = min(poll * 1.5, self.max_poll_s)
+
+    def _end(self, report_at_start: dict[str, Any] | None) -> str | None:
+        if self._view.complete():
+            return "the job is complete: every planned shard is committed"
+        report = self._view.report()
+        if report is not None and report != report_at_start:
+            missing = len(self._view.store.shards) - len(self._view.seen)
+            return (
+                f"a run of the job ended (ok: {report.get('ok')}); {missing} shards not committed"
+            )
+        return None
+
+    def _assigned(self, cursor: Cursor) -> list[Shard]:
+        """This consumer's committed shards not read yet, in reading order (the shard it
+        stopped in first); shards with nothing visible are done at once."""
+        turn = cursor.turn()
+        mine = [
+            sh
+            for sh in self._view.shards
+            if (sh.index + turn) % cursor.consumers == cursor.consumer
+            and sh.index not in cursor.done
+        ]
+        mine.sort(key=cursor.order)
+        batch = []
+        for sh in mine:
+            if self._view.written[sh.sample_begin : sh.sample_end].any():
+                batch.append(sh)
+            else:
+                cursor.done.add(sh.index)
+        return batch
+
+    def _read(self, shards: list[Shard], cursor: Cursor) -> Iterator[Sample]:
+        written = self._view.written
+        skip = {cursor.shard: cursor.samples} if cursor.shard is not None else {}
+        last = {
+            sh.index: sh.sample_begin
+            + int(np.flatnonzero(written[sh.sample_begin : sh.sample_end])[-1])
+            for sh in shards
+        }
+        blocks = (block for shard in shards for block in self._blocks(shard))
         for block, rows in self._view.read_blocks(blocks):
-            first, stop = block.tag
+            k, first, stop = block.tag
             for n in range(first, stop):
-                if n in visible:
-                    yield self._view.sample(n, rows, block.begin)
+                if not written[n]:
+                    continue
+                if skip.get(k, 0) > 0:  # yielded before the cursor was saved
+                    skip[k] -= 1
+                    continue
+                sample = self._view.sample(n, rows, block.begin)
+                cursor.yielded(k, done=n == last[k])
+                yield sample
             del rows  # its buffers are free once the consumer lets go of the samples
 
     def _blocks(self, shard: Shard) -> Iterator[Block]:
-        """The shard's blocks: rows of samples [first, stop) as `tag`, grown by whole samples
-        while they fit in block_bytes (at least one sample)."""
+        """The shard's blocks holding a written sample: rows of samples [first, stop) with the
+        shard as `tag`, grown by whole samples while they fit in block_bytes (at least one)."""
         v, m = self._view, self._view.manifest
         row_bytes = sum(a.row_bytes for a in stored_arrays(m))
         i = shard.sample_begin
@@ -277,5 +441,72 @@ class HiddenStatesIterable(_VisibleSamples, IterableDataset):
             ):
                 j += 1
             end = int(v.sample_start[j - 1] + v.sample_length[j - 1])
-            yield Block(begin, end, (i, j))
+            if v.written[i:j].any():  # not only failed samples
+                yield Block(begin, end, (shard.index, i, j))
             i = j
+
+
+CURSOR_VERSION = 1
+
+
+class Cursor:
+    """One consumer's place in one epoch: the shards it finished, and how many samples of the
+    one it is in it yielded. Its order and share of the shards follow from (seed, epoch)."""
+
+    def __init__(self, epoch: int, seed: int, shuffle: bool, consumer: int, consumers: int) -> None:
+        self.epoch, self.seed, self.shuffle = epoch, seed, shuffle
+        self.consumer, self.consumers = consumer, consumers
+        self.done: set[int] = set()
+        self.shard: int | None = None
+        self.samples = 0
+
+    def turn(self) -> int:
+        """The rotation of the shards over the consumers this epoch."""
+        return _mix(self.seed, self.epoch, -1) % self.consumers if self.shuffle else 0
+
+    def order(self, shard: Shard) -> tuple[int, int]:
+        """The sort key of a shard: the one stopped in first, then index order or shuffled."""
+        first = 0 if shard.index == self.shard else 1
+        return first, _mix(self.seed, self.epoch, shard.index) if self.shuffle else shard.index
+
+    def yielded(self, shard: int, done: bool) -> None:
+        if shard != self.shard:
+            self.shard, self.samples = shard, 0
+        self.samples += 1
+        if done:
+            self.done.add(shard)
+            self.shard, self.samples = None, 0
+
+    def state(self) -> dict[str, Any]:
+        return {
+            "version": CURSOR_VERSION,
+            "epoch": self.epoch,
+            "seed": self.seed,
+            "shuffle": self.shuffle,
+            "consumer": self.consumer,
+            "consumers": self.consumers,
+            "done": sorted(self.done),
+            "shard": self.shard,
+            "samples": self.samples,
+        }
+
+    def resume(self, state: Mapping[str, Any]) -> None:
+        """Take up a saved cursor of the same epoch; refused if saved by another consumer or
+        for another order (its shards would not be this consumer's)."""
+        saved = {k: state[k] for k in ("seed", "shuffle", "consumer", "consumers")}
+        mine = {"seed": self.seed, "shuffle": self.shuffle}
+        mine |= {"consumer": self.consumer, "consumers": self.consumers}
+        if saved != mine:
+            raise ValueError(
+                f"this cursor was saved by another reader: saved {saved}, this one is {mine} "
+                "(same seed, shuffle, ranks and DataLoader workers are needed to resume)"
+            )
+        self.done = {int(k) for k in state["done"]}
+        self.shard = None if state["shard"] is None else int(state["shard"])
+        self.samples = int(state["samples"])
+
+
+def _mix(seed: int, epoch: int, value: int) -> int:
+    """A stable 64-bit hash of three integers (the same in every process and Python)."""
+    data = f"{seed}:{epoch}:{value}".encode()
+    return int.from_bytes(hashlib.blake2b(data, digest_size=8).digest(), "little")

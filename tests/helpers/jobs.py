@@ -222,3 +222,5 @@ class FinishedJob:
     killed_slot: int  # its server slot on the node
     captured_while_planning: bool  # a shard was committed while the plan was incomplete
     leftovers: list[str]  # what the job left on the node: hsx-* folders, server segments
+    followed: Path  # what a follower of the running job saw (tests/helpers/follower.py)
+    status_running: dict[str, Any]  # `python -m cluster status` of the job while it ran

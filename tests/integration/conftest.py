@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import itertools
+import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
@@ -16,6 +18,7 @@ from cluster import plan_sources
 from cluster.config import parse_config
 from cluster.driver import Driver
 from cluster.plan_feed import PlanFeed
+from cluster.status import job_status
 from hsx_store.format import Store
 from tests.helpers.jobs import FinishedJob, job_config, store_committed
 from tests.helpers.prompts import write_prompts
@@ -30,7 +33,10 @@ def deepseek_job(
     one node: 12 good rows (chat and text) and 5 bad ones, 3 samples a shard, planned in parts
     of a few rows. Planning holds after its first shards until one is committed (so capture
     starts while the rest is planned); the worker that committed it is then killed, and the
-    driver replaces it in its slot. Read it only; copy the store to change it."""
+    driver replaces it in its slot. A trainer's stand-in (tests/helpers/follower.py) follows
+    the job from its first commit: killed after two samples, started again from its cursor,
+    and planning goes on once it follows, so it sees the rest commit. Read it only; copy the
+    store to change it."""
     root = tmp_path_factory.mktemp("deepseek-job")
     rows = write_prompts(root / "prompts.jsonl", 12, bad=True)
     raw = job_config(deepseek_path, root / "prompts.jsonl", root / "s.zarr", root)
@@ -65,17 +71,33 @@ def deepseek_job(
             committer = store.summary(committed)["worker"]
             victim = next(r for r in driver.workers.values() if r.worker_id == committer)
             ray.kill(victim.handle, no_restart=True)
+            follower = root / "follower"
+            follower.mkdir()
+            assert follow(root / "s.zarr", follower, "--stop-after", "2").wait(120) == -9
+            resumed = follow(root / "s.zarr", follower)
+            while not (follower / "following").exists():
+                assert resumed.poll() is None and time.monotonic() < deadline, "not following"
+                time.sleep(0.1)
+            status_running = job_status(str(root / "s.zarr"))
         finally:
             resume_planning.set()
             thread.join(600)
     assert result == [0], "\n".join(log)[-6000:]
+    assert resumed.wait(120) == 0, "the follower did not end with the job"
     ray_cluster.release()
     leftovers = sorted(p.name for p in root.glob("hsx-*"))
     leftovers += sorted(server_segments() - segments_before)
     return FinishedJob(
         root / "s.zarr", rows, log, raw, victim.worker_id, victim.slot, planning_when_captured,
-        leftovers,
+        leftovers, follower, status_running,
     )  # fmt: skip
+
+
+def follow(url: Path, out: Path, *args: str) -> subprocess.Popen[bytes]:
+    """tests/helpers/follower.py in a process of its own, following the store at `url`."""
+    return subprocess.Popen(
+        [sys.executable, "-m", "tests.helpers.follower", str(url), str(out), *args]
+    )
 
 
 def server_segments() -> set[str]:

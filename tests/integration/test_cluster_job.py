@@ -5,6 +5,8 @@ worker, a straggler, a killed driver and a resume."""
 
 from __future__ import annotations
 
+import hashlib
+import json
 import os
 import signal
 import subprocess
@@ -26,8 +28,11 @@ from cluster.job_store import manifest_for, open_or_create, plan_into
 from cluster.plan import build_plan
 from cluster.report import ProgressMeter
 from cluster.shard_queue import ShardQueueActor
+from cluster.status import job_status
+from cluster.status import main as status_main
 from cluster.verify import verify
 from hsx_store.format import Store, create_store
+from hsx_store.reader import HiddenStatesDataset
 from tests.helpers.jobs import (
     FinishedJob,
     assert_exactly_once,
@@ -88,6 +93,53 @@ def test_capture_starts_while_planning_and_a_killed_worker_is_replaced_in_its_sl
     assert stopped in log or replacement in writers, log
     # The node ends clean: the killed worker's dumps, log and server segments are gone.
     assert deepseek_job.leftovers == []
+
+
+def test_a_trainer_following_the_job_killed_and_resumed_saw_every_sample_once(
+    deepseek_job: FinishedJob,
+) -> None:
+    """The follower (tests/helpers/follower.py), in processes of its own: killed after two
+    samples, resumed from its saved cursor, while the job still wrote."""
+    followed = deepseek_job.followed
+    seen = [json.loads(line) for line in (followed / "seen.jsonl").read_text().splitlines()]
+    ids = [sample_id for sample_id, _ in seen]
+    assert sorted(ids) == sorted(r["id"] for r in deepseek_job.rows), "each sample once"
+    stored = {
+        s["sample_id"]: hashlib.sha256(s["final_hidden_states"].float().numpy().tobytes())
+        for s in HiddenStatesDataset(str(deepseek_job.url))
+    }
+    assert dict(seen) == {k: v.hexdigest() for k, v in stored.items()}, "the stored rows"
+    ended = (followed / "ended.txt").read_text()
+    assert ended == "the job is complete: every planned shard is committed"
+    # It followed a running job: shards committed after it was following again.
+    store = Store.open(deepseek_job.url)
+    last_commit = max(store.summary(k)["finished_at"] for k in range(len(store.shards)))
+    assert last_commit > (followed / "following").stat().st_mtime
+
+
+def test_status_said_while_the_job_ran_and_after_it_what_the_store_and_report_say(
+    deepseek_job: FinishedJob, capsys: pytest.CaptureFixture
+) -> None:
+    running = deepseek_job.status_running
+    assert running["state"] == "running" and running["planning"] == "in progress"
+    committed = running["shards"]["committed"]
+    assert 1 <= committed < running["shards"]["planned"] or running["planning"] != "done"
+    assert running["samples"]["written"] == 3 * committed  # 3 a shard, none failed
+    assert (
+        running["tokens_per_s"]["since_start"] is None or running["tokens_per_s"]["since_start"] > 0
+    )
+    after = job_status(str(deepseek_job.url))
+    report = Store.open(deepseek_job.url).group.attrs["report"]
+    assert after["state"] == "complete" and after["eta_s"] is None
+    assert after["shards"] == {
+        "planned": report["shards"]["total"],
+        "committed": report["shards"]["committed"],
+    }
+    for key in ("planned", "written", "failed", "rejected_at_plan"):
+        assert after["samples"][key] == report["samples"][key], key
+    assert after["tokens"] == {k: report["tokens"][k] for k in ("planned", "committed")}
+    assert status_main(["--store", str(deepseek_job.url)]) == 0
+    assert "complete (planning done)" in capsys.readouterr().out
 
 
 def test_planning_on_two_nodes_gives_the_store_planning_in_one_process_gives(

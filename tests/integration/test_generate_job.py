@@ -27,7 +27,7 @@ from cluster.verify import verify
 from hsx_store.export import FORMATS, export
 from hsx_store.format import Store
 from hsx_store.generated import GeneratedParts, read_conversations
-from hsx_store.reader import HiddenStatesDataset
+from hsx_store.reader import HiddenStatesDataset, HiddenStatesIterable
 from tests.helpers.jobs import (
     assert_store_matches_reference,
     job_config,
@@ -52,6 +52,8 @@ class GeneratedJob:
     killed: str  # that worker
     log: list[str]  # what the drivers said
     secret: str  # the S3 secret key, which no log may hold
+    followed: list[str]  # the sample ids a follow reader yielded while the job ran
+    follow_ended: str | None  # and why it ended
 
     def store(self) -> Store:
         return Store.open(self.url, storage_options=self.storage_options)
@@ -70,7 +72,8 @@ def generated_job(
 ) -> GeneratedJob:
     """9 prompts (chat rows with one or two assistant turns, text rows) and one with no room for
     max_new_tokens; two greedy responses each, 4 samples a shard (a part: 2 prompts). The
-    worker that kept the first part is killed at once; the driver replaces it."""
+    worker that kept the first part is killed at once; the driver replaces it. A follow
+    reader, on S3, follows the store from then on, as its plan grows with the responses."""
     root = tmp_path_factory.mktemp("generate-job")
     rows = write_prompts(root / "prompts.jsonl", 9)
     with (root / "prompts.jsonl").open("a") as f:
@@ -103,11 +106,19 @@ def generated_job(
         killed = kept[min(kept)]["worker"]
         victim = next(r for r in driver.workers.values() if r.worker_id == killed)
         ray.kill(victim.handle, no_restart=True)
+        reader = HiddenStatesIterable(url, storage_options=s3.options, follow=True, poll_s=0.2)
+        followed: list[str] = []
+        follower = threading.Thread(target=lambda: followed.extend(s["sample_id"] for s in reader))
+        follower.start()
     finally:
         thread.join(600)
     assert result == [0], "\n".join(log)[-6000:]
+    follower.join(120)
     ray_cluster.release()
-    return GeneratedJob(url, s3.options, raw, rows, stop, kept, killed, log, s3.secret_access_key)
+    return GeneratedJob(
+        url, s3.options, raw, rows, stop, kept, killed, log, s3.secret_access_key, followed,
+        reader.ended,
+    )  # fmt: skip
 
 
 def chatml_turns(
@@ -241,6 +252,14 @@ def test_a_generated_store_is_verified_read_and_exported_as_any_store(
         result = export(url, tmp_path / fmt, fmt, storage_options=options, say=log.append)
         assert result["files"] == samples
     assert generated_job.secret not in "\n".join(log) + report.format()
+
+
+def test_a_follow_reader_on_s3_saw_each_sample_once_as_the_plan_grew(
+    generated_job: GeneratedJob,
+) -> None:
+    store = generated_job.store()
+    assert sorted(generated_job.followed) == sorted(str(x) for x in store.group["sample_id"][:])
+    assert generated_job.follow_ended == "the job is complete: every planned shard is committed"
 
 
 def test_a_response_tokenized_again_from_its_text_is_not_what_the_model_wrote(

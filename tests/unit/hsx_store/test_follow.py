@@ -1,0 +1,164 @@
+"""Following a store while its shards commit: every committed sample once, in each consumer's
+share; the end of the job, or of the wait, said; a cursor saved mid-way resumes exactly after
+what was yielded. The shards are written and committed by the real shard writer, in a thread
+(the job's stand-in) or in the test between reads."""
+
+from __future__ import annotations
+
+import itertools
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from torch.utils.data import DataLoader
+from torchdata.stateful_dataloader import StatefulDataLoader
+
+from hsx_store.format import Store
+from hsx_store.reader import HiddenStatesIterable
+from tests.helpers.synthetic import assert_sample_exact, new_store, plan, write_shard
+
+NAMES = plan()[0]
+ALL = list(range(len(NAMES)))  # every sample of the synthetic plan (3 shards)
+FAST = {"poll_s": 0.02, "max_poll_s": 0.05}
+
+
+def committing(store: Store, shards: list[int], every_s: float) -> threading.Thread:
+    """Commit `shards` one after the other from a thread, `every_s` apart, the first at once."""
+
+    def run() -> None:
+        for k in shards:
+            write_shard(store, k)
+            time.sleep(every_s)
+
+    thread = threading.Thread(target=run)
+    thread.start()
+    return thread
+
+
+def ids(samples: Iterator[dict]) -> list[int]:
+    return [NAMES.index(s["sample_id"]) for s in samples]
+
+
+def test_a_follower_yields_each_sample_once_as_shards_commit_and_ends_when_complete(
+    tmp_path: Path,
+) -> None:
+    store = new_store(tmp_path / "s.zarr")
+    write_shard(store, 1)  # before the reader starts: read first
+    reader = HiddenStatesIterable(str(tmp_path / "s.zarr"), follow=True, **FAST)
+    thread = committing(store, [2, 0], every_s=0.3)
+    seen = []
+    for sample in reader:
+        assert_sample_exact(sample, NAMES.index(sample["sample_id"]), "bfloat16")
+        seen.append(NAMES.index(sample["sample_id"]))
+    thread.join()
+    shards = [store.shards[k] for k in (1, 2, 0)]
+    assert seen == [i for sh in shards for i in range(sh.sample_begin, sh.sample_end)]
+    assert reader.ended == "the job is complete: every planned shard is committed"
+
+
+def test_a_follower_ends_at_a_new_report_or_when_idle_and_says_which(tmp_path: Path) -> None:
+    store = new_store(tmp_path / "s.zarr")
+    write_shard(store, 0)
+    store.group.attrs["report"] = {"ok": False, "finished_at": "an earlier run"}
+    reader = HiddenStatesIterable(str(tmp_path / "s.zarr"), follow=True, **FAST)
+
+    def end_the_run() -> None:
+        time.sleep(0.3)
+        write_shard(store, 2)  # the run's last commit, just before its report
+        store.group.attrs["report"] = {"ok": False, "finished_at": "this run"}
+
+    thread = threading.Thread(target=end_the_run)
+    thread.start()
+    seen = ids(reader)
+    thread.join()
+    assert sorted(seen) == [i for k in (0, 2) for i in range(*_samples(store, k))]
+    assert reader.ended == "a run of the job ended (ok: False); 1 shards not committed"
+
+    idle = HiddenStatesIterable(str(tmp_path / "s.zarr"), follow=True, idle_timeout_s=0.2, **FAST)
+    assert sorted(ids(idle)) == sorted(seen)  # the old report is not an end: it waits
+    assert idle.ended == "no shard committed for 0.2 s"
+
+
+def _samples(store: Store, k: int) -> tuple[int, int]:
+    return store.shards[k].sample_begin, store.shards[k].sample_end
+
+
+@pytest.mark.parametrize("shuffle", [False, True])
+def test_a_cursor_saved_mid_shard_resumes_right_after_while_the_job_still_writes(
+    tmp_path: Path, shuffle: bool
+) -> None:
+    store = new_store(tmp_path / "s.zarr")
+    write_shard(store, 0)
+    write_shard(store, 2)
+    url = str(tmp_path / "s.zarr")
+    first = HiddenStatesIterable(url, follow=True, shuffle=shuffle, seed=5, **FAST)
+    first.set_epoch(3)
+    before = ids(itertools.islice(iter(first), 3))  # mid-shard: shard 0 has 4 samples
+    state = first.state_dict()
+    assert state["epoch"] == 3 and len(state["done"]) + (state["shard"] is not None) >= 1
+
+    write_shard(store, 1)  # commits while the trainer is down
+    second = HiddenStatesIterable(url, follow=True, shuffle=shuffle, seed=5, **FAST)
+    second.load_state_dict(state)
+    after = ids(second)
+    assert sorted(before + after) == ALL and not set(before) & set(after)
+    assert second.state_dict()["done"] == [0, 1, 2] and second.state_dict()["shard"] is None
+
+    other = HiddenStatesIterable(url, rank=1, world_size=2, shuffle=shuffle, seed=5)
+    other.load_state_dict(state)
+    with pytest.raises(ValueError, match="saved by another reader"):
+        next(iter(other))
+
+
+def test_the_next_epoch_starts_afresh_and_a_shuffled_one_changes_the_order(tmp_path: Path) -> None:
+    store = new_store(tmp_path / "s.zarr")
+    for k in range(3):
+        write_shard(store, k)
+    reader = HiddenStatesIterable(str(tmp_path / "s.zarr"), shuffle=True, seed=1)
+    orders = []
+    for epoch in range(6):
+        reader.set_epoch(epoch)
+        orders.append(ids(reader))
+        assert reader.state_dict()["done"] == [0, 1, 2]
+    assert all(sorted(o) == ALL for o in orders) and len({tuple(o) for o in orders}) > 1
+
+
+def test_two_ranks_of_two_workers_share_a_running_job_disjointly(tmp_path: Path) -> None:
+    store = new_store(tmp_path / "s.zarr")
+    write_shard(store, 0)
+    thread = committing(store, [1, 2], every_s=0.5)  # commits while the workers poll
+    seen = []
+    for rank in range(2):
+        reader = HiddenStatesIterable(
+            str(tmp_path / "s.zarr"), rank=rank, world_size=2, follow=True, **FAST
+        )
+        seen += [ids([s]) for s in DataLoader(reader, batch_size=None, num_workers=2)]
+    thread.join()
+    assert sorted(i for (i,) in seen) == ALL
+
+
+def test_a_stateful_dataloader_resumes_each_worker_where_it_stopped(tmp_path: Path) -> None:
+    """torchdata's StatefulDataLoader keeps one cursor per worker: the way to checkpoint a
+    reader behind DataLoader workers."""
+    store = new_store(tmp_path / "s.zarr")
+    for k in range(3):
+        write_shard(store, k)
+    url = str(tmp_path / "s.zarr")
+
+    def loader() -> StatefulDataLoader:
+        reader = HiddenStatesIterable(url, follow=True, **FAST)
+        return StatefulDataLoader(reader, batch_size=None, num_workers=2)
+
+    first = loader()
+    taken = []
+    for sample in first:
+        taken.append(NAMES.index(sample["sample_id"]))
+        if len(taken) == 5:
+            state = first.state_dict()
+            break
+    second = loader()
+    second.load_state_dict(state)
+    rest = ids(second)
+    assert sorted(taken + rest) == ALL and not set(taken) & set(rest)
