@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import torch
 
 from actors.shard_writer import ShardWriter
 from benchmarks.reader_vs_raw_read import stand_in_manifest
@@ -53,21 +54,31 @@ def one_round(
     store = create_store(
         url, manifest, [f"s{i}" for i in range(n)], ids, masks, storage_options=options
     )
-    aux = np.ones((LENGTH, NUM_AUX, HIDDEN), np.float32)
-    final = np.ones((LENGTH, HIDDEN), np.float32)
+    aux = torch.ones((LENGTH, NUM_AUX, HIDDEN), dtype=torch.bfloat16)  # as a server dumps
+    final = torch.ones((LENGTH, HIDDEN), dtype=torch.bfloat16)
     committed_at: dict[int, float] = {}
+    failed: list[BaseException] = []
 
     def write() -> None:
-        for sh in store.shards:
-            time.sleep(random.uniform(0, max_poll_s))
-            writer = ShardWriter(store, sh)
-            for i in range(sh.sample_begin, sh.sample_end):
-                writer.write_sample(i, aux, final)
-            writer.commit({})
-            committed_at[sh.index] = time.monotonic()
+        try:
+            for sh in store.shards:
+                time.sleep(random.uniform(0, max_poll_s))
+                writer = ShardWriter(store, sh)
+                for i in range(sh.sample_begin, sh.sample_end):
+                    writer.write_sample(i, aux, final)
+                writer.commit({})
+                committed_at[sh.index] = time.monotonic()
+        except BaseException as exc:
+            failed.append(exc)
+            raise
 
     reader = HiddenStatesIterable(
-        url, storage_options=options, follow=True, poll_s=poll_s, max_poll_s=max_poll_s
+        url,
+        storage_options=options,
+        follow=True,
+        poll_s=poll_s,
+        max_poll_s=max_poll_s,
+        idle_timeout_s=30,  # a writer that failed: end, and say so below
     )
     writing = threading.Thread(target=write)
     writing.start()
@@ -76,6 +87,8 @@ def one_round(
         shard = int(sample["sample_id"][1:]) // PER_SHARD
         first_seen.setdefault(shard, time.monotonic())
     writing.join()
+    if failed:
+        raise failed[0]
     assert reader.ended and "complete" in reader.ended, reader.ended
     assert sorted(first_seen) == list(range(shards)), "every shard was followed"
     return [first_seen[k] - committed_at[k] for k in range(shards)]

@@ -1,8 +1,10 @@
 """The command line: `python -m cluster COMMAND`, or `hsx COMMAND` once installed.
 
-run --config JOB.yaml [--set section.field=value ...]
+run --config JOB.yaml [--set section.field=value ...] [--dry-run]
     the job's driver (the entrypoint of `ray job submit`); exit 0: every planned sample
-    written, 1: some failed or were not committed, 2: a bad config or a store of another job
+    written, 1: some failed or were not committed, 2: a bad config or a store of another job;
+    --dry-run checks the config, model files and inputs and plans the first parts, starting
+    and writing nothing (exit 2: a problem, named)
 verify --store URL [--model PATH --recompute N --logprobs N]
     check a store; exit 0: no problems, 1: problems, 2: not a readable store
 export --store URL --format {specforge,speculators} --out DIR [--allow-post-norm]
@@ -59,6 +61,11 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         metavar="SECTION.FIELD=VALUE",
         help="override one config field; VALUE is YAML (e.g. --set model.aux_layer_ids=[2,30,58])",
     )
+    run.add_argument(
+        "--dry-run",
+        action="store_true",
+        help="check the config, model files and inputs and plan the first parts; start nothing",
+    )
     run.add_argument("--model", help="model.path")
     run.add_argument("--data", nargs="+", help="data.paths")
     run.add_argument("--store", help="store.url")
@@ -78,6 +85,10 @@ def main(argv: list[str] | None = None) -> int:
             overrides.append(f"{key}={json.dumps(value)}")  # JSON is YAML, quoted
     try:
         config = load_config(args.config, overrides)
+        if args.dry_run:
+            from cluster.dry_run import dry_run
+
+            return dry_run(config, say=lambda text: print(text, flush=True))
         from cluster.driver import run_job  # Ray and SGLang load only for a valid config
 
         return run_job(config, say=lambda text: print(text, flush=True))

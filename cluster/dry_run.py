@@ -1,0 +1,88 @@
+"""`python -m cluster run --config JOB.yaml --dry-run`: a job checked without running it.
+
+The config is validated as `run` validates it; then the model files (config.json,
+tokenizer.json and the weights the server loads: their identity is computed, as a store's
+manifest records it) and every input (it exists and its format reads); the first parts are
+planned in this process. It prints the layers and the store's layout, the rejects so far and
+the storage estimate projected from those parts. It starts no server and no Ray, and writes
+nothing. Every problem is named; any one makes the exit status 2.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+
+from cluster.config import ConfigError, JobConfig
+from cluster.job_store import describe_capture, describe_estimate, manifest_for
+from cluster.plan import PartEnd, PlanStream, Reject, Sample
+from cluster.plan_sources import PlanError, resolve_source
+from hsx_store.format import Manifest
+
+DRY_RUN_PARTS = 8  # planned, of about equal size each (cluster/plan_sources.py)
+SHOWN_REJECTS = 20
+
+
+def dry_run(config: JobConfig, say: Callable[[str], None] = print) -> int:
+    problems: list[str] = []
+    model = Path(config.model.path)
+    for name in ("config.json", "tokenizer.json"):
+        if not (model / name).is_file():
+            problems.append(f"model.path: {model / name} is missing")
+    try:
+        manifest = manifest_for(config, chat_template=None)
+        say(describe_capture(manifest, config.store.url))
+    except (ConfigError, OSError) as exc:
+        manifest = None
+        if not problems:  # a missing file is named once
+            problems.append(f"model.path: {exc}")
+    for path in config.data.paths:
+        try:
+            resolve_source(path, config.data.format)
+        except (PlanError, OSError) as exc:
+            problems.append(f"data.paths: {exc}")
+    if not any(p.startswith("data.paths") or "tokenizer" in p for p in problems):
+        problems += _plan_first_parts(config, manifest, say)
+    for problem in problems:
+        say(f"problem: {problem}")
+    say(
+        f"dry run: {len(problems)} problem(s); nothing was started or written"
+        + ("" if problems else "; `run` without --dry-run starts the job")
+    )
+    return 2 if problems else 0
+
+
+def _plan_first_parts(
+    config: JobConfig, manifest: Manifest | None, say: Callable[[str], None]
+) -> list[str]:
+    """Plan the first parts in this process, print what they hold; the problems found."""
+    trust = config.model.trust_remote_code
+    try:
+        stream = PlanStream(config.data, config.model.path, trust, 0, config.generate)
+    except (PlanError, OSError, ValueError) as exc:
+        return [f"planning: {exc}"]
+    samples = tokens = parts = 0
+    rejects: list[Reject] = []
+    for item in stream:
+        if isinstance(item, Sample):
+            samples, tokens = samples + 1, tokens + len(item.input_ids)
+        elif isinstance(item, Reject):
+            rejects.append(item)
+        elif isinstance(item, PartEnd):
+            parts += 1
+            if parts == DRY_RUN_PARTS:
+                break
+    total = len(stream.parts)
+    say(f"planned the first {parts} of {total} parts: {samples} samples, {tokens:,} tokens, "
+        f"{len(rejects)} rejected")  # fmt: skip
+    for reject in rejects[:SHOWN_REJECTS]:
+        say(f"  rejected {reject.sample_id}: {reject.reason}")
+    if len(rejects) > SHOWN_REJECTS:
+        say(f"  ... and {len(rejects) - SHOWN_REJECTS} more")
+    if manifest is not None and parts:
+        scale = total / parts
+        estimate = describe_estimate(
+            manifest, round(samples * scale), round(tokens * scale), config.store.url
+        )
+        say(f"projected: {estimate}")
+    return []
