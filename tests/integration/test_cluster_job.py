@@ -44,6 +44,7 @@ from tests.helpers.jobs import (
 )
 from tests.helpers.prompts import BAD_LINES, write_prompts
 from tests.helpers.ray_cluster import SOLO_NODE
+from tests.helpers.reports import assert_status_is_report
 
 
 def test_a_job_writes_every_sample_once_matching_plan_and_reference_and_rejects_bad_rows(
@@ -123,21 +124,10 @@ def test_status_said_while_the_job_ran_and_after_it_what_the_store_and_report_sa
     running = deepseek_job.status_running
     assert running["state"] == "running" and running["planning"] == "in progress"
     committed = running["shards"]["committed"]
-    assert 1 <= committed < running["shards"]["planned"] or running["planning"] != "done"
-    assert running["samples"]["written"] == 3 * committed  # 3 a shard, none failed
-    assert (
-        running["tokens_per_s"]["since_start"] is None or running["tokens_per_s"]["since_start"] > 0
-    )
-    after = job_status(str(deepseek_job.url))
+    assert committed >= 1 and running["samples"]["written"] == 3 * committed  # 3 a shard
+    assert running["tokens_per_s"]["since_start"] > 0 and running["eta_s"] is None  # planning
     report = Store.open(deepseek_job.url).group.attrs["report"]
-    assert after["state"] == "complete" and after["eta_s"] is None
-    assert after["shards"] == {
-        "planned": report["shards"]["total"],
-        "committed": report["shards"]["committed"],
-    }
-    for key in ("planned", "written", "failed", "rejected_at_plan"):
-        assert after["samples"][key] == report["samples"][key], key
-    assert after["tokens"] == {k: report["tokens"][k] for k in ("planned", "committed")}
+    assert_status_is_report(job_status(str(deepseek_job.url)), report)
     assert status_main(["--store", str(deepseek_job.url)]) == 0
     assert "complete (planning done)" in capsys.readouterr().out
 

@@ -12,6 +12,7 @@ import pytest
 from cluster.report import build_report
 from cluster.status import RECENT_S, job_status, main
 from hsx_store.format import Store
+from tests.helpers.reports import assert_status_is_report
 from tests.helpers.synthetic import new_store, plan, write_shard
 
 NAMES = plan()[0]
@@ -68,15 +69,7 @@ def test_status_of_a_complete_job_equals_its_report_and_a_short_run_says_it_ende
         write_shard(store, k, summary={"finished_at": time.time(), "seconds": 1})
     report = build_report(store, {"seconds": 1.0})
     store.group.attrs["report"] = report
-    status = job_status(url)
-    assert status["state"] == "complete" and status["eta_s"] is None
-    assert status["shards"] == {
-        "planned": report["shards"]["total"],
-        "committed": report["shards"]["committed"],
-    }
-    for key in ("planned", "written", "failed", "rejected_at_plan"):
-        assert status["samples"][key] == report["samples"][key], key
-    assert status["tokens"] == {k: report["tokens"][k] for k in ("planned", "committed")}
+    assert_status_is_report(job_status(url), report)
     assert main(["--store", url, "--follow"]) == 0  # complete: it does not wait
     out = capsys.readouterr().out
     assert "complete (planning done)" in out and "11 / 11 written, 0 failed" in out
