@@ -7,9 +7,10 @@ run --config JOB.yaml [--set section.field=value ...] [--dry-run]
     and writing nothing (exit 2: a problem, named)
 verify --store URL [--model PATH --recompute N --logprobs N]
     check a store; exit 0: no problems, 1: problems, 2: not a readable store
-export --store URL --format {specforge,speculators} --out DIR [--allow-post-norm]
+export --store URL --format {specforge,speculators} --out DIR [--allow-post-norm] [--follow]
     write the committed samples in a trainer's offline format; exit 0: every committed
-    sample exported, 1: an error (printed), 2: the store cannot be opened
+    sample exported, 1: an error (printed), 2: the store cannot be opened; --follow exports
+    a running job's shards as they commit (exit 1 unless the job ended complete)
 status --store URL [--follow] [--json]
     what the store says about its job, while it runs or after; exit 0: complete, 1: not
     (yet), 2: not a readable store

@@ -40,7 +40,7 @@ from hsx_store.format import FINAL_STATE_ARRAYS, Manifest, Store, StoreFormatErr
 from hsx_store.fp8 import FP8_DTYPE, scale_name
 from hsx_store.layers import model_config, requested_layer_ids
 from hsx_store.location import StoreAccessError
-from hsx_store.reader import HiddenStatesIterable
+from hsx_store.reader import COMPLETE, HiddenStatesIterable
 
 Format = Literal["specforge", "speculators"]
 FORMATS: tuple[str, ...] = ("specforge", "speculators")
@@ -85,13 +85,18 @@ def export(
     storage_options: Mapping[str, Any] | None = None,
     allow_post_norm: bool = False,
     say: Callable[[str], Any] = print,
+    follow: bool = False,
+    poll_s: float = 2.0,
+    idle_timeout_s: float | None = 1800.0,
 ) -> dict[str, Any]:
     """Export every committed, written sample of the store at `url` into `out_dir` in `fmt`
     (both layouts: docs/using-the-data.md). Resumable: a sample whose file exists is
     skipped. `allow_post_norm`: speculators only, write a store's post-norm final state in
-    the last slot when it has no pre-norm one (refused otherwise). Returns {format, out_dir,
+    the last slot when it has no pre-norm one (refused otherwise). `follow`: export a running
+    job's shards as they commit (a follow reader: hsx_store/reader.py), after waiting for its
+    plan to complete; it ends as the reader does, `ended` says why. Returns {format, out_dir,
     exported (written this run), skipped (already there), files (sample files the export now
-    holds), bytes (written this run), seconds, removed_temporaries}."""
+    holds), bytes (written this run), seconds, removed_temporaries, ended}."""
     if fmt not in FORMATS:
         raise ValueError(f"format must be one of {', '.join(FORMATS)}, got {fmt!r}")
     start = time.monotonic()
@@ -99,6 +104,8 @@ def export(
         store = Store.open(url, storage_options=storage_options)
     except (FileNotFoundError, zarr.errors.GroupNotFoundError) as exc:
         raise StoreAccessError(f"{url}: no store there ({exc})") from None
+    if not store.planned and follow:
+        _wait_for_the_plan(url, store, poll_s, say)
     if not store.planned:  # the dataset and the file names follow the whole plan
         raise ExportError(
             f"{url} is still being planned ({store.num_samples} samples so far): export it "
@@ -121,15 +128,24 @@ def export(
         # speculators has an FP8 format: its bits and scales go as they are; SpecForge: bf16.
         fp8 = "raw" if fmt == "speculators" else "dequantize"
         reader = HiddenStatesIterable(
-            url, rank=0, world_size=1, storage_options=storage_options, fp8=fp8
+            url,
+            rank=0,
+            world_size=1,
+            storage_options=storage_options,
+            fp8=fp8,
+            follow=follow,
+            poll_s=poll_s,
+            max_poll_s=max(poll_s, 10.0),
+            idle_timeout_s=idle_timeout_s,
         )
         visible = reader.sample_indices
         exported = skipped = written = 0
         made: set[Path] = set()  # directories written into, fsynced at the end
-        if all(sample_path(out, fmt, int(i)).exists() for i in visible):
+        if not follow and all(sample_path(out, fmt, int(i)).exists() for i in visible):
             skipped = len(visible)  # nothing to write: do not read the store at all
         else:
-            say(f"export: {len(reader)} committed samples of {url} -> {out} ({fmt})")
+            more = ", and those to come" if follow else ""
+            say(f"export: {len(reader)} committed samples of {url}{more} -> {out} ({fmt})")
             index_of = {sid: i for i, sid in enumerate(sample_ids)}
             last = time.monotonic()
             for sample in reader:
@@ -150,6 +166,7 @@ def export(
                         f"({exported} written, {skipped} already there), "
                         f"{written / 1e9:.2f} GB"
                     )
+        visible = reader.sample_indices  # following: what committed meanwhile too
         pairs = [[int(i), sample_ids[i]] for i in visible if sample_path(out, fmt, int(i)).exists()]
         _write_doc(out, {**doc, "exported": pairs})
         for path in [*made, out]:  # the renames themselves, durable
@@ -163,12 +180,23 @@ def export(
         "bytes": written,
         "seconds": round(time.monotonic() - start, 3),
         "removed_temporaries": removed,
+        "ended": reader.ended,
     }
     say(
         f"export: {exported} samples written, {skipped} already there; {out} now holds "
         f"{len(pairs)} sample files ({written / 1e9:.3f} GB written in {summary['seconds']} s)"
+        + (f"; following ended: {reader.ended}" if follow else "")
     )
     return summary
+
+
+def _wait_for_the_plan(url: str, store: Store, poll_s: float, say: Callable[[str], Any]) -> None:
+    """Wait, polling, until the store's plan is complete (the file names and speculators'
+    dataset follow the whole plan)."""
+    say(f"export: {url} is still being planned ({store.num_samples} samples so far): waiting")
+    while not store.planned:
+        time.sleep(poll_s)
+        store.refresh()
 
 
 def read_exported(out_dir: str | Path, fmt: Format, sample_index: int) -> dict[str, Any]:
@@ -211,7 +239,8 @@ def read_exported(out_dir: str | Path, fmt: Format, sample_index: int) -> dict[s
 def main(argv: list[str] | None = None) -> int:
     """`python -m cluster export --store URL --format {specforge,speculators} --out DIR`:
     exit 0 once every committed sample is exported, 2 when the store cannot be opened, 1 on any
-    other error (printed)."""
+    other error (printed). With --follow: exit 0 once the job is complete and every sample
+    exported, 1 when following ended short of that (said)."""
     parser = argparse.ArgumentParser(
         prog="python -m cluster export",
         description="Export a store's committed samples to SpecForge or vLLM speculators "
@@ -226,14 +255,23 @@ def main(argv: list[str] | None = None) -> int:
         help="speculators, a store without the pre-norm final state: write the post-norm one "
         "in the last slot (speculators normalizes it again: a wrong teacher)",
     )
+    parser.add_argument(
+        "--follow",
+        action="store_true",
+        help="a running job: export its shards as they commit, until it ends "
+        "(exit 1 unless it ended complete)",
+    )
+    parser.add_argument("--poll-s", type=float, default=2.0, help="with --follow")
     args = parser.parse_args(sys.argv[1:] if argv is None else argv)
     try:
-        export(
+        summary = export(
             args.store,
             args.out,
             args.format,
             allow_post_norm=args.allow_post_norm,
             say=lambda text: print(text, flush=True),
+            follow=args.follow,
+            poll_s=args.poll_s,
         )
     except (StoreFormatError, StoreAccessError) as exc:
         print(f"error: {exc}", file=sys.stderr, flush=True)
@@ -241,7 +279,7 @@ def main(argv: list[str] | None = None) -> int:
     except (ExportError, OSError, ValueError) as exc:
         print(f"error: {exc}", file=sys.stderr, flush=True)
         return 1
-    return 0
+    return 1 if args.follow and summary["ended"] != COMPLETE else 0
 
 
 # ---- what each format writes -------------------------------------------------------------

@@ -40,6 +40,7 @@ from hsx_store.read_ahead import Block
 Sample = dict[str, Any]
 Fp8Mode = Literal["dequantize", "raw"]
 log = logging.getLogger(__name__)
+COMPLETE = "the job is complete: every planned shard is committed"  # why following ended
 PLAN_ARRAYS = ("input_ids", "loss_mask")
 
 
@@ -375,7 +376,7 @@ class HiddenStatesIterable(_VisibleSamples, IterableDataset):
 
     def _end(self, report_at_start: dict[str, Any] | None) -> str | None:
         if self._view.complete():
-            return "the job is complete: every planned shard is committed"
+            return COMPLETE
         report = self._view.report()
         if report is not None and report != report_at_start:
             missing = len(self._view.store.shards) - len(self._view.seen)

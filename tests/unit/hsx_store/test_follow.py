@@ -1,11 +1,13 @@
 """Following a store while its shards commit: every committed sample once, in each consumer's
 share; the end of the job, or of the wait, said; a cursor saved mid-way resumes exactly after
-what was yielded. The shards are written and committed by the real shard writer, in a thread
-(the job's stand-in) or in the test between reads."""
+what was yielded; an export that follows writes what a plain one writes, shard by shard. The
+shards are written and committed by the real shard writer, in a thread (the job's stand-in) or
+in the test between reads."""
 
 from __future__ import annotations
 
 import itertools
+import json
 import threading
 import time
 from collections.abc import Iterator
@@ -15,9 +17,18 @@ import pytest
 from torch.utils.data import DataLoader
 from torchdata.stateful_dataloader import StatefulDataLoader
 
+from hsx_store.builder import StoreBuilder
+from hsx_store.export import read_exported, sample_path
 from hsx_store.format import Store
-from hsx_store.reader import HiddenStatesIterable
-from tests.helpers.synthetic import assert_sample_exact, new_store, plan, write_shard
+from hsx_store.reader import COMPLETE, HiddenStatesIterable
+from tests.helpers.exports import assert_same, export
+from tests.helpers.synthetic import (
+    assert_sample_exact,
+    manifest,
+    new_store,
+    plan,
+    write_shard,
+)
 
 NAMES = plan()[0]
 ALL = list(range(len(NAMES)))  # every sample of the synthetic plan (3 shards)
@@ -162,3 +173,58 @@ def test_a_stateful_dataloader_resumes_each_worker_where_it_stopped(tmp_path: Pa
     second.load_state_dict(state)
     rest = ids(second)
     assert sorted(taken + rest) == ALL and not set(taken) & set(rest)
+
+
+@pytest.mark.parametrize("fmt", ["specforge", "speculators"])
+def test_export_follow_writes_each_shard_as_it_commits_as_a_plain_export_would(
+    tmp_path: Path, fmt: str
+) -> None:
+    store = new_store(tmp_path / "s.zarr")
+    write_shard(store, 0)
+    url, out = str(tmp_path / "s.zarr"), tmp_path / "followed"
+    result: list[dict] = []
+    follow = {"follow": True, "poll_s": 0.02, "say": lambda _: None}
+    exporting = threading.Thread(target=lambda: result.append(export(url, out, fmt, **follow)))
+    exporting.start()
+    first = sample_path(out, fmt, store.shards[0].sample_begin)
+    deadline = time.monotonic() + 60
+    while not first.exists():  # shard 0's files come while shards 1 and 2 are not committed
+        assert time.monotonic() < deadline and exporting.is_alive(), "shard 0 was not exported"
+        time.sleep(0.02)
+    write_shard(store, 1)
+    write_shard(store, 2)
+    exporting.join(60)
+    (summary,) = result
+    assert summary["ended"] == COMPLETE and summary["files"] == summary["exported"] == len(ALL)
+    plain = export(url, tmp_path / "plain", fmt, say=lambda _: None)
+    assert plain["files"] == len(ALL)
+    for i in ALL:
+        assert_same(read_exported(out, fmt, i), read_exported(tmp_path / "plain", fmt, i))
+    doc = json.loads((out / "export.json").read_text())
+    assert doc["exported"] == [[i, NAMES[i]] for i in ALL]
+
+
+def test_export_follow_waits_for_the_plan_then_follows_the_commits(tmp_path: Path) -> None:
+    names, ids, masks = plan()
+    url, out = tmp_path / "s.zarr", tmp_path / "followed"
+    builder = StoreBuilder.create(url, manifest())
+    for i in range(8):  # shards 0 and 1 planned, shard 2 not yet
+        builder.add(names[i], ids[i], masks[i])
+    builder.flush()
+    said: list[str] = []
+    result: list[dict] = []
+    follow = {"follow": True, "poll_s": 0.02, "say": said.append}
+    exporting = threading.Thread(
+        target=lambda: result.append(export(str(url), out, "speculators", **follow))
+    )
+    exporting.start()
+    time.sleep(0.3)
+    assert exporting.is_alive() and "still being planned (8 samples so far): waiting" in said[0]
+    for i in range(8, len(names)):
+        builder.add(names[i], ids[i], masks[i])
+    builder.finish([])
+    store = Store.open(url, mode="r+")
+    for k in range(3):
+        write_shard(store, k)
+    exporting.join(60)
+    assert result[0]["ended"] == COMPLETE and result[0]["files"] == len(ALL)
