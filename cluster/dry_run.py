@@ -24,24 +24,25 @@ SHOWN_REJECTS = 20
 
 
 def dry_run(config: JobConfig, say: Callable[[str], None] = print) -> int:
-    problems: list[str] = []
     model = Path(config.model.path)
-    for name in ("config.json", "tokenizer.json"):
-        if not (model / name).is_file():
-            problems.append(f"model.path: {model / name} is missing")
+    missing = [model / name for name in ("config.json", "tokenizer.json")]
+    missing = [path for path in missing if not path.is_file()]
+    problems = [f"model.path: {path} is missing" for path in missing]
     try:
         manifest = manifest_for(config, chat_template=None)
         say(describe_capture(manifest, config.store.url))
     except (ConfigError, OSError) as exc:
         manifest = None
-        if not problems:  # a missing file is named once
+        if not missing:  # otherwise it is a missing file, named above
             problems.append(f"model.path: {exc}")
+    unreadable = []
     for path in config.data.paths:
         try:
             resolve_source(path, config.data.format)
         except (PlanError, OSError) as exc:
-            problems.append(f"data.paths: {exc}")
-    if not any(p.startswith("data.paths") or "tokenizer" in p for p in problems):
+            unreadable.append(f"data.paths: {exc}")
+    problems += unreadable
+    if not unreadable and model / "tokenizer.json" not in missing:  # what planning needs
         problems += _plan_first_parts(config, manifest, say)
     for problem in problems:
         say(f"problem: {problem}")

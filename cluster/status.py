@@ -20,7 +20,6 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 import numpy as np
-import zarr
 from zarr.errors import GroupNotFoundError
 
 from hsx_store.format import Store, StoreFormatError
@@ -38,8 +37,7 @@ def job_status(
     committed = store.committed()
     texts = np.asarray(store.array("shard_summary")[: len(store.shards)])
     summaries = [json.loads(str(texts[k])) for k in np.flatnonzero(committed)]
-    attrs = zarr.open_group(store=store.group.store, mode="r", zarr_format=3).attrs
-    report = attrs.get("report")
+    report = store.group.attrs.get("report")  # read as the store was opened, just now
     extent = {sh.index: sh.token_end - sh.token_begin for sh in store.shards}
     tokens = sum(extent[s["shard"]] for s in summaries)
     tokens_planned = int(store.sample_length.sum())
