@@ -43,14 +43,15 @@ $(STAMP): $(SETUP_INPUTS)
 	touch $(STAMP)
 
 # No pip of its own: the project venv's pip installs into it (--python), --no-deps; the .pth
-# file puts the project venv's site-packages after its own on sys.path.
+# file adds the project venv's site-packages after its own, as a site directory, so its own
+# .pth files run too (the editable install of this project: examples/ import it).
 $(TRAINERS_STAMP): $(STAMP) requirements/trainers.txt
 	rm -rf $(TRAINERS_VENV)
 	$(PYTHON) -m venv --without-pip $(TRAINERS_VENV)
-	$(PY) -c "import site; print(site.getsitepackages()[0])" > \
+	$(PY) -c "import site; print(f'import site; site.addsitedir({site.getsitepackages()[0]!r})')" > \
 		"$$($(TRAINERS_VENV)/bin/python -c 'import site; print(site.getsitepackages()[0])')/project-venv.pth"
 	$(PIP) --python $(TRAINERS_VENV)/bin/python install --no-deps -r requirements/trainers.txt
-	$(TRAINERS_VENV)/bin/python -c "import speculators.train.data, specforge.runtime.data_plane.offline_reader"
+	$(TRAINERS_VENV)/bin/python -c "import speculators.train.data, specforge.runtime.data_plane.offline_reader, hsx_store"
 	touch $(TRAINERS_STAMP)
 
 demo: setup

@@ -222,5 +222,7 @@ class FinishedJob:
     killed_slot: int  # its server slot on the node
     captured_while_planning: bool  # a shard was committed while the plan was incomplete
     leftovers: list[str]  # what the job left on the node: hsx-* folders, server segments
-    followed: Path  # what a follower of the running job saw (tests/helpers/follower.py)
+    trainer: Path  # the example trainer's folder: checkpoint.pt, draft/, log-1.txt, log-2.txt
+    followed: list[tuple[str, str]]  # (sample id, digest) as a follow reader yielded them
+    follow_ended: str | None  # why that reader stopped
     status_running: dict[str, Any]  # `python -m cluster status` of the job while it ran

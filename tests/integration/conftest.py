@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
+import hashlib
 import itertools
-import subprocess
-import sys
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -20,6 +20,8 @@ from cluster.driver import Driver
 from cluster.plan_feed import PlanFeed
 from cluster.status import job_status
 from hsx_store.format import Store
+from hsx_store.reader import HiddenStatesIterable
+from tests.helpers.example_trainer import train
 from tests.helpers.jobs import FinishedJob, job_config, store_committed
 from tests.helpers.prompts import write_prompts
 from tests.helpers.ray_cluster import PAIR_NODE, SimulatedCluster
@@ -27,16 +29,20 @@ from tests.helpers.ray_cluster import PAIR_NODE, SimulatedCluster
 
 @pytest.fixture(scope="session")
 def deepseek_job(
-    ray_cluster: SimulatedCluster, deepseek_path: Path, tmp_path_factory: pytest.TempPathFactory
+    ray_cluster: SimulatedCluster,
+    deepseek_path: Path,
+    tmp_path_factory: pytest.TempPathFactory,
+    trainers_python: Path,
 ) -> FinishedJob:
     """One job on the tiny DeepseekV3 (served in float32, layers [0, 1, 3]) by two servers on
     one node: 12 good rows (chat and text) and 5 bad ones, 3 samples a shard, planned in parts
     of a few rows. Planning holds after its first shards until one is committed (so capture
     starts while the rest is planned); the worker that committed it is then killed, and the
-    driver replaces it in its slot. A trainer's stand-in (tests/helpers/follower.py) follows
-    the job from its first commit: killed after two samples, started again from its cursor,
-    and planning goes on once it follows, so it sees the rest commit. Read it only; copy the
-    store to change it."""
+    driver replaces it in its slot. The example trainer (examples/train_while_extracting.py)
+    is started with the job, waits for its store, trains from the first commit on, is killed
+    after its first checkpoint and started again from it; planning goes on once it follows
+    again, so it trains on the rest as they commit. A follow reader in this process records
+    what it yields. Read it only; copy the store to change it."""
     root = tmp_path_factory.mktemp("deepseek-job")
     rows = write_prompts(root / "prompts.jsonl", 12, bad=True)
     raw = job_config(deepseek_path, root / "prompts.jsonl", root / "s.zarr", root)
@@ -60,6 +66,9 @@ def deepseek_job(
         driver = Driver(parse_config(raw), say=log.append)
         thread = threading.Thread(target=lambda: result.append(driver.run()))
         thread.start()
+        trainer = root / "trainer"
+        first_run = train(trainers_python, root / "s.zarr", trainer)  # before the store exists
+        followed: list[tuple[str, str]] = []
         try:
             deadline = time.monotonic() + 400
             while store_committed(root / "s.zarr") < 1:
@@ -71,33 +80,41 @@ def deepseek_job(
             committer = store.summary(committed)["worker"]
             victim = next(r for r in driver.workers.values() if r.worker_id == committer)
             ray.kill(victim.handle, no_restart=True)
-            follower = root / "follower"
-            follower.mkdir()
-            assert follow(root / "s.zarr", follower, "--stop-after", "2").wait(120) == -9
-            resumed = follow(root / "s.zarr", follower)
-            while not (follower / "following").exists():
-                assert resumed.poll() is None and time.monotonic() < deadline, "not following"
+            reader = HiddenStatesIterable(str(root / "s.zarr"), follow=True, poll_s=0.2)
+            following = threading.Thread(target=lambda: followed.extend(digests(reader)))
+            following.start()
+            while not (trainer / "checkpoint.pt").exists():
+                running = first_run.poll() is None and time.monotonic() < deadline
+                assert running, (trainer / "log-1.txt").read_text()[-3000:]
+                time.sleep(0.1)
+            first_run.kill()
+            assert first_run.wait(60) == -9
+            resumed = train(trainers_python, root / "s.zarr", trainer)
+            while "following" not in (trainer / "log-2.txt").read_text():
+                running = resumed.poll() is None and time.monotonic() < deadline
+                assert running, (trainer / "log-2.txt").read_text()[-3000:]
                 time.sleep(0.1)
             status_running = job_status(str(root / "s.zarr"))
         finally:
             resume_planning.set()
             thread.join(600)
     assert result == [0], "\n".join(log)[-6000:]
-    assert resumed.wait(120) == 0, "the follower did not end with the job"
+    assert resumed.wait(120) == 0, (trainer / "log-2.txt").read_text()[-3000:]
+    following.join(120)
     ray_cluster.release()
     leftovers = sorted(p.name for p in root.glob("hsx-*"))
     leftovers += sorted(server_segments() - segments_before)
     return FinishedJob(
         root / "s.zarr", rows, log, raw, victim.worker_id, victim.slot, planning_when_captured,
-        leftovers, follower, status_running,
+        leftovers, trainer, followed, reader.ended, status_running,
     )  # fmt: skip
 
 
-def follow(url: Path, out: Path, *args: str) -> subprocess.Popen[bytes]:
-    """tests/helpers/follower.py in a process of its own, following the store at `url`."""
-    return subprocess.Popen(
-        [sys.executable, "-m", "tests.helpers.follower", str(url), str(out), *args]
-    )
+def digests(reader: HiddenStatesIterable) -> Iterator[tuple[str, str]]:
+    """Each sample's id with the sha256 of its final hidden states."""
+    for sample in reader:
+        data = sample["final_hidden_states"].float().numpy().tobytes()
+        yield sample["sample_id"], hashlib.sha256(data).hexdigest()
 
 
 def server_segments() -> set[str]:

@@ -1,13 +1,15 @@
 """The whole job on simulated GPU nodes (ray.cluster_utils.Cluster) with real CPU SGLang
 servers on the tiny DeepseekV3, two nodes of a server each or one node of two: exactly-once
 output that matches its plan and an independent HF reference, bad rows rejected, a killed
-worker, a straggler, a killed driver and a resume."""
+worker, a straggler, a killed driver and a resume; the example trainer (a draft trained with
+speculators' code) following the job, killed and resumed."""
 
 from __future__ import annotations
 
 import hashlib
-import json
+import math
 import os
+import shutil
 import signal
 import subprocess
 import threading
@@ -18,7 +20,10 @@ from typing import Any
 import numpy as np
 import pytest
 import ray
+import safetensors.torch
+import torch
 import yaml
+import zarr
 from ray.cluster_utils import Cluster
 
 from cluster import plan_sources
@@ -32,7 +37,8 @@ from cluster.status import job_status
 from cluster.status import main as status_main
 from cluster.verify import verify
 from hsx_store.format import Store, create_store
-from hsx_store.reader import HiddenStatesDataset
+from hsx_store.reader import COMPLETE, HiddenStatesDataset
+from tests.helpers.example_trainer import EXAMPLE
 from tests.helpers.jobs import (
     FinishedJob,
     assert_exactly_once,
@@ -96,26 +102,60 @@ def test_capture_starts_while_planning_and_a_killed_worker_is_replaced_in_its_sl
     assert deepseek_job.leftovers == []
 
 
-def test_a_trainer_following_the_job_killed_and_resumed_saw_every_sample_once(
+def test_a_follow_reader_of_the_running_job_yielded_every_stored_sample_once(
     deepseek_job: FinishedJob,
 ) -> None:
-    """The follower (tests/helpers/follower.py), in processes of its own: killed after two
-    samples, resumed from its saved cursor, while the job still wrote."""
-    followed = deepseek_job.followed
-    seen = [json.loads(line) for line in (followed / "seen.jsonl").read_text().splitlines()]
-    ids = [sample_id for sample_id, _ in seen]
+    """A follow reader, started at the first commit, yields the stored rows of every sample
+    once, and ends when the job is complete."""
+    ids = [sample_id for sample_id, _ in deepseek_job.followed]
     assert sorted(ids) == sorted(r["id"] for r in deepseek_job.rows), "each sample once"
     stored = {
         s["sample_id"]: hashlib.sha256(s["final_hidden_states"].float().numpy().tobytes())
         for s in HiddenStatesDataset(str(deepseek_job.url))
     }
-    assert dict(seen) == {k: v.hexdigest() for k, v in stored.items()}, "the stored rows"
-    ended = (followed / "ended.txt").read_text()
-    assert ended == "the job is complete: every planned shard is committed"
-    # It followed a running job: shards committed after it was following again.
+    assert dict(deepseek_job.followed) == {k: v.hexdigest() for k, v in stored.items()}
+    assert deepseek_job.follow_ended == COMPLETE
+
+
+def test_the_example_trainer_killed_and_resumed_trained_on_every_sample_once_while_the_job_ran(
+    deepseek_job: FinishedJob,
+) -> None:
+    """examples/train_while_extracting.py (speculators' EAGLE-3 draft, on CPU), a step per
+    sample: started before the store existed, SIGKILLed after its first checkpoint, started
+    again from it while planning was held, it ends with the job."""
+    out = deepseek_job.trainer
+    progress = torch.load(out / "checkpoint.pt", weights_only=True)["progress"]
+    assert sorted(progress["trained"]) == sorted(r["id"] for r in deepseek_job.rows)
+    steps = [line["step"] for line in progress["history"]]
+    assert steps == list(range(1, len(deepseek_job.rows) + 1))
+    assert all(math.isfinite(line["loss"]) for line in progress["history"])
+    first, resumed = (out / "log-1.txt").read_text(), (out / "log-2.txt").read_text()
+    assert "step 1:" in first and "resumed from step" not in first
+    saved_at = int(resumed.split("resumed from step ")[1].split()[0])
+    assert 1 <= saved_at < len(steps) and f"step {saved_at + 1}:" in resumed
+    assert f"following ended: {COMPLETE}" in resumed
+    # It trained while the job wrote: its first step came before the last shard committed.
     store = Store.open(deepseek_job.url)
     last_commit = max(store.summary(k)["finished_at"] for k in range(len(store.shards)))
-    assert last_commit > (followed / "following").stat().st_mtime
+    assert progress["history"][0]["time"] < last_commit
+    draft = safetensors.torch.load_file(out / "draft" / "model.safetensors")
+    assert draft and all(torch.isfinite(t).all() for t in draft.values())
+
+
+def test_the_example_trainer_refuses_a_checkpoint_of_another_store(
+    deepseek_job: FinishedJob, trainers_python: Path, tmp_path: Path
+) -> None:
+    """The same job's store made again (a new store_id): the saved cursor would skip its
+    shards, so the checkpoint is refused and nothing is trained."""
+    store, out = tmp_path / "s.zarr", tmp_path / "trainer"
+    shutil.copytree(deepseek_job.url, store)
+    zarr.open_group(store, mode="r+").attrs["store_id"] = "0" * 32
+    shutil.copytree(deepseek_job.trainer, out)
+    before = (out / "checkpoint.pt").read_bytes()
+    command = [trainers_python, EXAMPLE, "--store", store, "--out", out]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 1 and "was trained from another store" in done.stderr
+    assert (out / "checkpoint.pt").read_bytes() == before
 
 
 def test_status_said_while_the_job_ran_and_after_it_what_the_store_and_report_say(
