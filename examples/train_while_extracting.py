@@ -31,14 +31,12 @@ from typing import Any
 
 import torch
 import zarr
-from speculators.models.eagle3.core import Eagle3DraftModel
-from speculators.models.eagle3.data import shift_batch
-from speculators.train.cli import create_transformer_layer_config
-from speculators.train.data import CollateFn
-from transformers import AutoConfig
 
 from hsx_store.format import Store
 from hsx_store.reader import HiddenStatesIterable, Sample
+
+# speculators (and transformers under it) take ~10 s to import on a small machine: imported once
+# the store and the checkpoint are known to be usable, so a wrong argument fails at once.
 
 CHECKPOINT = "checkpoint.pt"
 MODEL_INPUTS = (
@@ -65,6 +63,8 @@ def main() -> None:
     store_id = store.group.attrs["store_id"]  # new at every creation of a store
     checkpoint = args.out / CHECKPOINT
     saved = load_checkpoint(checkpoint, store_id, device)
+    from speculators.models.eagle3.core import Eagle3DraftModel
+
     verifier = args.verifier or manifest.model
     model = draft_model(verifier, manifest.layer_ids, args.ttt_steps).to(device)
     params = [p for p in model.parameters() if p.requires_grad]
@@ -156,11 +156,15 @@ def load_checkpoint(path: Path, store_id: str, device: torch.device) -> dict[str
     return saved
 
 
-def draft_model(verifier: str, layer_ids: list[int], ttt_steps: int) -> Eagle3DraftModel:
+def draft_model(verifier: str, layer_ids: list[int], ttt_steps: int) -> torch.nn.Module:
     """speculators' default draft: one Llama decoder layer shaped after the verifier, its
     embedding, final norm and lm_head taken from the verifier, the full vocabulary (a pruned
     draft vocabulary is chosen from token counts over the whole data, which a job still
     running does not have yet)."""
+    from speculators.models.eagle3.core import Eagle3DraftModel
+    from speculators.train.cli import create_transformer_layer_config
+    from transformers import AutoConfig
+
     config = create_transformer_layer_config(verifier, 1, "llama", None, 2048, [0])
     return Eagle3DraftModel.from_training_args(
         verifier_config=config,
@@ -189,6 +193,9 @@ def batches(reader: HiddenStatesIterable, size: int) -> Iterator[list[Sample]]:
 def packed(batch: list[Sample], hidden_size: int, num_aux: int, device: torch.device) -> dict:
     """The batch as speculators' trainer feeds its model: each sample in its dataset's layout,
     shifted by its `shift_batch`, packed into one sequence by its `CollateFn`."""
+    from speculators.models.eagle3.data import shift_batch
+    from speculators.train.data import CollateFn
+
     items = []
     for s in batch:
         length = len(s["input_ids"])

@@ -40,9 +40,9 @@ def deepseek_job(
     starts while the rest is planned); the worker that committed it is then killed, and the
     driver replaces it in its slot. The example trainer (examples/train_while_extracting.py)
     is started with the job, waits for its store, trains from the first commit on, is killed
-    after its first checkpoint and started again from it; planning goes on once it follows
-    again, so it trains on the rest as they commit. A follow reader in this process records
-    what it yields. Read it only; copy the store to change it."""
+    after its first checkpoint (while planning is held) and started again from it. A follow
+    reader in this process records what it yields. Read it only; copy the store to change
+    it."""
     root = tmp_path_factory.mktemp("deepseek-job")
     rows = write_prompts(root / "prompts.jsonl", 12, bad=True)
     raw = job_config(deepseek_path, root / "prompts.jsonl", root / "s.zarr", root)
@@ -67,7 +67,8 @@ def deepseek_job(
         thread = threading.Thread(target=lambda: result.append(driver.run()))
         thread.start()
         trainer = root / "trainer"
-        first_run = train(trainers_python, root / "s.zarr", trainer)  # before the store exists
+        first_run = train(trainers_python, root / "s.zarr", trainer)  # it waits for the store
+        trainers = [first_run]
         followed: list[tuple[str, str]] = []
         try:
             deadline = time.monotonic() + 400
@@ -90,11 +91,12 @@ def deepseek_job(
             first_run.kill()
             assert first_run.wait(60) == -9
             resumed = train(trainers_python, root / "s.zarr", trainer)
-            while "following" not in (trainer / "log-2.txt").read_text():
-                running = resumed.poll() is None and time.monotonic() < deadline
-                assert running, (trainer / "log-2.txt").read_text()[-3000:]
-                time.sleep(0.1)
+            trainers.append(resumed)
             status_running = job_status(str(root / "s.zarr"))
+        except BaseException:
+            for process in trainers:  # not left following a job that will not finish
+                process.kill()
+            raise
         finally:
             resume_planning.set()
             thread.join(600)

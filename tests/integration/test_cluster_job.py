@@ -121,8 +121,8 @@ def test_the_example_trainer_killed_and_resumed_trained_on_every_sample_once_whi
     deepseek_job: FinishedJob,
 ) -> None:
     """examples/train_while_extracting.py (speculators' EAGLE-3 draft, on CPU), a step per
-    sample: started before the store existed, SIGKILLed after its first checkpoint, started
-    again from it while planning was held, it ends with the job."""
+    sample: started before the store existed, SIGKILLed after its first checkpoint (planning
+    held, so the job had more to write), started again from it, it ends with the job."""
     out = deepseek_job.trainer
     progress = torch.load(out / "checkpoint.pt", weights_only=True)["progress"]
     assert sorted(progress["trained"]) == sorted(r["id"] for r in deepseek_job.rows)
