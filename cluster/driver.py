@@ -328,6 +328,10 @@ class Driver:
             # Its GPU group: Ray points CUDA_VISIBLE_DEVICES at those GPUs (with none requested
             # it would hide them), and the server inherits that and uses its devices 0..n-1.
             num_gpus=plan.gpus_per_server,
+            # None of Ray's CPUs: an actor given resources otherwise holds one CPU while it
+            # lives, and a node with fewer CPUs than servers started its next server only
+            # once one died (measured on the tests' 1-CPU nodes: two servers, one at a time).
+            num_cpus=0,
             scheduling_strategy=NodeAffinitySchedulingStrategy(node_id, soft=False),
             max_restarts=0,
         ).remote(self.config, queue, worker_id, self.gen_queue)

@@ -80,6 +80,11 @@ def deepseek_job(
             (committed,) = np.flatnonzero(store.committed()).tolist()
             committer = store.summary(committed)["worker"]
             victim = next(r for r in driver.workers.values() if r.worker_id == committer)
+            # Killed once the other server is up too: its replacement's start would otherwise
+            # slow the other's on these 2 cores, and the job waits for one of them.
+            while "starting" in worker_phases(driver):
+                assert time.monotonic() < deadline, "the two servers were never up at once"
+                time.sleep(0.2)
             ray.kill(victim.handle, no_restart=True)
             reader = HiddenStatesIterable(str(root / "s.zarr"), follow=True, poll_s=0.2)
             following = threading.Thread(target=lambda: followed.extend(digests(reader)))
@@ -110,6 +115,14 @@ def deepseek_job(
         root / "s.zarr", rows, log, raw, victim.worker_id, victim.slot, planning_when_captured,
         leftovers, trainer, followed, reader.ended, status_running,
     )  # fmt: skip
+
+
+def worker_phases(driver: Driver) -> list[str]:
+    """Each running worker's phase; "starting" for one that does not answer yet (its actor
+    still being created)."""
+    asked = [w.handle.status.remote() for w in list(driver.workers.values())]
+    answered, silent = ray.wait(asked, num_returns=len(asked), timeout=2)
+    return [ray.get(ref)["phase"] for ref in answered] + ["starting"] * len(silent)
 
 
 def digests(reader: HiddenStatesIterable) -> Iterator[tuple[str, str]]:
