@@ -1,6 +1,6 @@
 """The per-node Ray actor: owns one patched SGLang server and turns leased shards into rows.
 
-    worker = NodeWorker.options(resources={"sglang_node": 1}).remote(config, queue)
+    worker = NodeWorker.options(resources={"sglang_node": 1}, num_cpus=0).remote(config, queue)
     summaries = ray.get(worker.run.remote())     # until every shard is done
 
 run(): start the server (on the GPU group Ray gave this worker; CPU flags where there is
