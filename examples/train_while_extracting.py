@@ -1,6 +1,7 @@
 """Train an EAGLE-3 draft head while the extraction job is still writing its store.
 
-    make demo &                                   # or any job; the store may not exist yet
+    rm -rf out/demo/demo.zarr out/draft   # not the last demo's store: `make demo` remakes it
+    make demo &                           # or any job; the store may not exist yet
     .venv-trainers/bin/python examples/train_while_extracting.py \\
         --store out/demo/demo.zarr --out out/draft
 
@@ -15,9 +16,9 @@ and started again with the same arguments, it resumes from there: the samples tr
 the checkpoint are read again, every other sample is never trained on twice. At the end it
 writes the draft in speculators' format to OUT/draft (what vLLM loads as a speculator).
 
-On CPU this trains the tiny demo model in seconds; on a GPU node, pass `--device cuda`.
-With several trainers (torchrun), each rank reads its own shards: the reader takes its rank
-and world size from torch.distributed (docs/using-the-data.md).
+On CPU this trains the tiny demo model in seconds; on a GPU node, pass `--device cuda`. It
+trains in one process: a distributed trainer would wrap the model in DDP and give each rank's
+reader its rank and world size (docs/using-the-data.md), with a checkpoint per rank.
 """
 
 from __future__ import annotations
