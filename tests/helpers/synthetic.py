@@ -14,6 +14,7 @@ import torch
 from actors.lease_keeper import LeaseKeeper
 from actors.shard_writer import ShardWriter
 from cluster.shard_queue import ShardQueue
+from hsx_store.builder import StoreBuilder
 from hsx_store.format import (
     SCHEMA_VERSION,
     Manifest,
@@ -67,6 +68,26 @@ def new_store(
     return create_store(
         path, manifest(dtype, codec), *plan(), rejected=rejected, storage_options=storage_options
     )
+
+
+def planning_store(path: Path | str, planned: int = 8) -> StoreBuilder:
+    """A store whose plan is still being written, as a running driver leaves it: the plan's
+    first `planned` samples added and flushed (8: shards 0 and 1, not shard 2). Its builder,
+    for `finish_plan`."""
+    names, ids, masks = plan()
+    builder = StoreBuilder.create(path, manifest())
+    for i in range(planned):
+        builder.add(names[i], ids[i], masks[i])
+    builder.flush()
+    return builder
+
+
+def finish_plan(builder: StoreBuilder) -> None:
+    """Add the rest of the plan to a `planning_store` and complete it."""
+    names, ids, masks = plan()
+    for i in range(builder.store.num_samples, len(names)):
+        builder.add(names[i], ids[i], masks[i])
+    builder.finish([])
 
 
 def sample_bits(i: int, dtype: str = "bfloat16") -> tuple[np.ndarray, np.ndarray]:

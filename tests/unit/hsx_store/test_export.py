@@ -39,10 +39,12 @@ from tests.helpers.synthetic import (
     NUM_AUX,
     H,
     assert_sample_exact,
+    finish_plan,
     manifest,
     new_store,
     partly_written_store,
     plan,
+    planning_store,
     sample_bits,
 )
 
@@ -388,15 +390,11 @@ def test_a_store_still_being_planned_is_refused_and_an_earlier_partial_export_is
     import datasets
 
     from hsx_store import export as export_module
-    from hsx_store.builder import StoreBuilder
     from hsx_store.format import Store
 
-    names, ids, masks = plan()
+    names, _, masks = plan()
     url, out = tmp_path / "s.zarr", tmp_path / "spec"
-    builder = StoreBuilder.create(url, manifest())
-    for i in range(8):  # shards 0 and 1 planned, shard 2 not yet
-        builder.add(names[i], ids[i], masks[i])
-    builder.flush()
+    builder = planning_store(url)  # shards 0 and 1 planned, shard 2 not yet
     with pytest.raises(ExportError, match=r"still being planned \(8 samples so far\)"):
         export(str(url), out, "speculators", say=lambda _: None)
     assert not out.exists()
@@ -414,9 +412,7 @@ def test_a_store_still_being_planned_is_refused_and_an_earlier_partial_export_is
     monkeypatch.undo()
     assert len(datasets.load_from_disk(str(out))) == 8
 
-    for i in range(8, len(names)):
-        builder.add(names[i], ids[i], masks[i])
-    builder.finish([])
+    finish_plan(builder)
     export(str(url), out, "speculators", say=lambda _: None)
     dataset = datasets.load_from_disk(str(out))
     assert len(dataset) == len(names) == PLANNED

@@ -17,16 +17,16 @@ import pytest
 from torch.utils.data import DataLoader
 from torchdata.stateful_dataloader import StatefulDataLoader
 
-from hsx_store.builder import StoreBuilder
 from hsx_store.export import read_exported, sample_path
 from hsx_store.format import Store
 from hsx_store.reader import COMPLETE, HiddenStatesIterable
 from tests.helpers.exports import assert_same, export
 from tests.helpers.synthetic import (
     assert_sample_exact,
-    manifest,
+    finish_plan,
     new_store,
     plan,
+    planning_store,
     write_shard,
 )
 
@@ -205,12 +205,8 @@ def test_export_follow_writes_each_shard_as_it_commits_as_a_plain_export_would(
 
 
 def test_export_follow_waits_for_the_plan_then_follows_the_commits(tmp_path: Path) -> None:
-    names, ids, masks = plan()
     url, out = tmp_path / "s.zarr", tmp_path / "followed"
-    builder = StoreBuilder.create(url, manifest())
-    for i in range(8):  # shards 0 and 1 planned, shard 2 not yet
-        builder.add(names[i], ids[i], masks[i])
-    builder.flush()
+    builder = planning_store(url)  # shards 0 and 1 planned, shard 2 not yet
     said: list[str] = []
     result: list[dict] = []
     follow = {"follow": True, "poll_s": 0.02, "say": said.append}
@@ -220,9 +216,7 @@ def test_export_follow_waits_for_the_plan_then_follows_the_commits(tmp_path: Pat
     exporting.start()
     time.sleep(0.3)
     assert exporting.is_alive() and "still being planned (8 samples so far): waiting" in said[0]
-    for i in range(8, len(names)):
-        builder.add(names[i], ids[i], masks[i])
-    builder.finish([])
+    finish_plan(builder)
     store = Store.open(url, mode="r+")
     for k in range(3):
         write_shard(store, k)
