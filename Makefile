@@ -15,8 +15,8 @@ STAMP := $(VENV)/.setup-done
 # over the project's packages.
 TRAINERS_VENV := .venv-trainers
 TRAINERS_STAMP := $(TRAINERS_VENV)/.setup-done
-SETUP_INPUTS := Makefile pyproject.toml requirements/sglang-cpu.lock.txt requirements/project.txt \
-	requirements/bench.txt \
+SETUP_INPUTS := Makefile pyproject.toml setup.py hsx_kernels/fp8_cpu.c \
+	requirements/sglang-cpu.lock.txt requirements/project.txt requirements/bench.txt \
 	shims/sgl_kernel/pyproject.toml $(wildcard shims/sgl_kernel/src/sgl_kernel/*.py)
 BENCH ?=
 SEED ?= 0
@@ -29,7 +29,7 @@ setup: $(STAMP) $(TRAINERS_STAMP)
 # Order matters: SGLang's CPU dependency lock first, then sglang itself without its (CUDA)
 # dependencies, then ours, then the benchmarks' peer (SpecForge, without the torch/sglang it
 # pins), then the import-only sgl_kernel shim, then this project (editable, which registers the
-# plugin's `sglang.srt.plugins` entry point).
+# plugin's `sglang.srt.plugins` entry point, and builds the C kernels in hsx_kernels/).
 $(STAMP): $(SETUP_INPUTS)
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PIP) install -r requirements/sglang-cpu.lock.txt
@@ -79,4 +79,4 @@ lint: setup
 	$(VENV)/bin/ruff format --check .
 
 clean:
-	rm -rf $(VENV) $(TRAINERS_VENV) .cache out
+	rm -rf $(VENV) $(TRAINERS_VENV) .cache out build hsx_kernels/*.so

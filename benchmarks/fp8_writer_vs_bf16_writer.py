@@ -3,11 +3,13 @@
 Samples are Kimi-shaped (1,024 tokens x 3 aux + post-norm + pre-norm x 7,168), bf16, as a
 server that does not quantize dumps them. Baseline: the ShardWriter writing them into a bf16
 store (the rows as they are). Measured: the ShardWriter writing the same rows into an
-fp8_e4m3 store, quantizing them on its threads (hsx_store/fp8.py `quantize`). Both write and
+fp8_e4m3 store, quantizing them on its write threads as it writes each chunk (the C kernel,
+hsx_kernels/fp8_cpu.c, through hsx_store/fp8.py `quantize_into`). Both write and
 commit every shard of a fresh store; rates are GB/s of bf16 input; neither fsyncs; each call
 starts with no dirty pages and its memory faulted in (benchmarks/rounds.py); rounds alternate,
 value = median of the per-round ratios. Also printed: the FP8 store fed rows the server
-quantized (Fp8Rows: stored as they are), and the quantizer alone per thread count.
+quantized (Fp8Rows: stored as they are), and the quantizer alone (`quantize`, into new arrays)
+per thread count.
 
     .venv/bin/python -m benchmarks.fp8_writer_vs_bf16_writer   # or: make bench BENCH=...
 
@@ -65,7 +67,6 @@ def writer_rate(root: Path, samples: list, dtype: str, per_shard: int, nbytes: i
 
 
 def quantizer_rates(samples: list[Sample], nbytes: int) -> None:
-    quantize(samples[0][1][:8], "warm-up")  # numba compiles (or loads) its kernel once
     for threads in (1, 2):
         with ThreadPoolExecutor(threads) as pool:
             start = time.perf_counter()

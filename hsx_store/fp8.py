@@ -6,10 +6,10 @@ row. Scaling is exact, so the only rounding is the one to e4m3 (a row in the top
 |x| >= 2 ** 127, saturates at 240 so that it never dequantizes to inf).
 
 `quantize_rows` is the definition, in tensor ops on any device; `quantize_rows_fast` gives its
-bytes in one fused pass on a GPU (hsx_store/fp8_cuda.py): the capture plugin runs it. `quantize`
-gives the same bytes on a CPU (a numba kernel, hsx_store/fp8_cpu.py) in blocks of rows on the
-caller's threads: the shard writer's path for bf16 dumps. Bounds, bytes,
-who quantizes: docs/store-format.md.
+bytes in one fused pass on a GPU (hsx_store/fp8_cuda.py): the capture plugin runs it.
+`quantize_into` gives the same bytes on a CPU (a C kernel, hsx_kernels/fp8_cpu.c) into the
+caller's buffers: the shard writer's path for bf16 dumps; `quantize` into new arrays, in blocks
+of rows on the caller's threads. Bounds, bytes, who quantizes: docs/store-format.md.
 """
 
 from __future__ import annotations
@@ -19,6 +19,8 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
+
+from hsx_kernels import fp8_cpu
 
 FP8_DTYPE = "fp8_e4m3"  # the manifest's dtype of an FP8 store
 FP8_ATTR = {"stored_as": "uint8", "dtype": "float8_e4m3fn"}
@@ -107,14 +109,14 @@ def quantize(
         raise ValueError(f"{what}: expected rows [P, ..., H], got shape {tuple(x.shape)}")
     width = x.shape[-1]
     rows = x.reshape(-1, width)
-    values = torch.empty(rows.shape, dtype=torch.float8_e4m3fn)
+    values = np.empty(rows.shape, np.uint8)
     scales = np.empty(len(rows), np.float32)
     step = max(1, BLOCK_BYTES // (2 * max(1, width)))
     spans = [(lo, min(lo + step, len(rows))) for lo in range(0, len(rows), step)]
 
     def block(span: tuple[int, int]) -> int | None:
         lo, hi = span
-        bad = _quantize_block(rows[lo:hi], values[lo:hi], scales[lo:hi])
+        bad = quantize_into(rows[lo:hi], values[lo:hi], scales[lo:hi])
         return None if bad is None else lo + bad
 
     firsts = map(block, spans) if pool is None else pool.map(block, spans)
@@ -124,27 +126,43 @@ def quantize(
         raise ValueError(
             f"{what}: non-finite value in row {row}; an FP8 store keeps finite values only"
         )
-    return values.view(torch.uint8).numpy().reshape(x.shape), scales.reshape(x.shape[:-1])
+    return values.reshape(x.shape), scales.reshape(x.shape[:-1])
 
 
-def _quantize_block(rows: torch.Tensor, values: torch.Tensor, scales: np.ndarray) -> int | None:
-    """Quantize `rows` into `values` (e4m3) and `scales`; the first non-finite row, if any.
-    bf16 rows go through the numba kernel (hsx_store/fp8_cpu.py), the rows it leaves and
-    float32 rows through the definition."""
-    from hsx_store.fp8_cpu import quantize_bf16_rows  # numba: only where a CPU quantizes
-
-    fallback = np.ones(len(rows), bool)
-    if rows.dtype == torch.bfloat16:
-        bits, out = rows.view(torch.int16).numpy(), values.view(torch.uint8).numpy()
-        bad = quantize_bf16_rows(bits, out, scales, fallback)
+def quantize_into(
+    x: torch.Tensor | np.ndarray, values: np.ndarray, scales: np.ndarray
+) -> int | None:
+    """Quantize rows x [..., H] (a bf16 or float32 tensor, or bf16 bits as uint16) into
+    `values` (e4m3 bits, uint8 [..., H]) and `scales` (float32 [...]), all C-contiguous: the
+    bytes `quantize_rows` gives. Returns the first row (flat over [...]) holding an inf or NaN,
+    whose values and the rows' after it are then unspecified; else None. bf16 rows go through
+    the C kernel (hsx_kernels/fp8_cpu.c, without the GIL), the rows it leaves and float32 rows
+    through the definition. Cheap to call on a few rows: the shard writer quantizes blocks of
+    ~0.5 MB."""
+    width = x.shape[-1]
+    out, row_scales = values.reshape(-1, width), scales.reshape(-1)
+    if isinstance(x, np.ndarray):
+        if x.dtype not in (np.uint16, np.int16):
+            raise ValueError(f"expected bf16 bits (uint16), got {x.dtype}")
+        bits = x.reshape(-1, width).view(np.int16)
+    elif x.dtype == torch.bfloat16:
+        bits = x.reshape(-1, width).view(torch.int16).numpy()
+    else:
+        bits = None
+    fallback = np.ones(len(out), np.uint8)
+    if bits is not None:
+        bad = fp8_cpu.quantize_bf16_rows(bits, out, row_scales, fallback)
         if bad >= 0:
             return bad
-    if fallback.any():
-        left = torch.from_numpy(np.flatnonzero(fallback))
-        q, s = quantize_rows(rows[left])
-        if s.isnan().any():
-            return int(left[s.isnan()][0])
-        values[left], scales[left.numpy()] = q, s.numpy()
+        if not fallback.any():
+            return None
+    rows = x if isinstance(x, torch.Tensor) else torch.from_numpy(bits).view(torch.bfloat16)
+    rows = rows.reshape(-1, width)
+    left = torch.from_numpy(np.flatnonzero(fallback))
+    q, s = quantize_rows(rows[left])
+    if s.isnan().any():
+        return int(left[s.isnan()][0])
+    out[left.numpy()], row_scales[left.numpy()] = q.view(torch.uint8).numpy(), s.numpy()
     return None
 
 

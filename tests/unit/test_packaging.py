@@ -1,5 +1,6 @@
-"""The installed distribution: the runtime packages and the `hsx` command, nothing else (test
-helpers, the tiny-model maker and benchmarks are not a user's importable packages)."""
+"""The installed distribution: the runtime packages, the C kernels built from source, and the
+`hsx` command, nothing else (test helpers, the tiny-model maker and benchmarks are not a user's
+importable packages)."""
 
 from __future__ import annotations
 
@@ -10,8 +11,11 @@ import zipfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
-RUNTIME = {"actors", "cluster", "hsx_store", "patches"}
-NOT_SOURCES = (".git", ".venv*", ".cache", "out", "build", "*.egg-info", "__pycache__", ".*cache")
+RUNTIME = {"actors", "cluster", "hsx_store", "hsx_kernels", "patches"}
+NOT_SOURCES = (
+    *(".git", ".venv*", ".cache", "out", "build", "*.egg-info", "__pycache__", ".*cache"),
+    "*.so",  # built by the wheel's build, not copied from an in-place one
+)
 
 
 def test_the_wheel_holds_the_runtime_packages_and_the_hsx_command(tmp_path: Path) -> None:
@@ -23,6 +27,7 @@ def test_the_wheel_holds_the_runtime_packages_and_the_hsx_command(tmp_path: Path
     names = zipfile.ZipFile(wheel).namelist()
     packages = {n.split("/")[0] for n in names if not n.split("/")[0].endswith(".dist-info")}
     assert packages == RUNTIME
+    assert [n for n in names if n.startswith("hsx_kernels/fp8_cpu.") and n.endswith(".so")]
     (entry_points,) = [n for n in names if n.endswith(".dist-info/entry_points.txt")]
     text = zipfile.ZipFile(wheel).read(entry_points).decode()
     assert "hsx = cluster.__main__:main" in text  # beside `python -m cluster`

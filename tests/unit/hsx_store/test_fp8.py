@@ -15,6 +15,7 @@ import torch
 from safetensors.torch import load_file
 
 from actors.shard_writer import ShardWriter
+from hsx_kernels import fp8_cpu
 from hsx_store import fp8
 from hsx_store.export import export, read_exported, sample_path
 from hsx_store.format import Store
@@ -65,7 +66,7 @@ def test_every_finite_row_round_trips_within_the_bound(case: str) -> None:
 def test_the_cpu_quantizer_gives_the_bytes_of_the_definition(
     monkeypatch: pytest.MonkeyPatch, threads: int
 ) -> None:
-    """quantize (the numba kernel, rows it leaves to the definition, blocks on threads) against
+    """quantize (the C kernel, rows it leaves to the definition, blocks on threads) against
     quantize_rows (the tensor ops the capture plugin runs on the GPU): every bf16 value under
     every scale, the range's ends, random rows, and float32 rows."""
     monkeypatch.setattr(fp8, "BLOCK_BYTES", 1 << 16)  # many blocks
@@ -78,6 +79,33 @@ def test_the_cpu_quantizer_gives_the_bytes_of_the_definition(
         values, want_scales = quantize_rows(rows_in)
         assert np.array_equal(bits, values.view(torch.uint8).numpy())
         assert np.array_equal(scales, want_scales.numpy())
+
+
+@pytest.mark.parametrize("variant", fp8_cpu.variants())
+def test_every_kernel_variant_this_cpu_runs_gives_the_bytes_of_the_definition(variant: str) -> None:
+    """The C kernel holds a variant per x86-64 instruction set (AVX-512, AVX2, the baseline)
+    and uses the fastest this CPU runs; each one it runs is checked: every bf16 value under
+    every scale, the range's ends, rows whose length leaves a partial last vector, the rows
+    left to the definition (below 2 ** -93), and the first non-finite row, in a row's last
+    lanes too (the next row's maximum is found while a row is quantized)."""
+    for x in (every_value_under_every_scale(), edge_rows().repeat(1, 16), rows(8, 100)):
+        bits = x.view(torch.int16).numpy()
+        values, scales = np.zeros(bits.shape, np.uint8), np.zeros(len(bits), np.float32)
+        fallback = np.ones(len(bits), np.uint8)
+        assert fp8_cpu.quantize_bf16_rows(bits, values, scales, fallback, variant) == -1
+        exponent = torch.frexp(x.float().abs().amax(1)).exponent
+        assert fallback.tolist() == ((exponent < -92) & (x != 0).any(1)).tolist()
+        want_values, want_scales = quantize_rows(x)
+        kept = fallback == 0
+        assert np.array_equal(values[kept], want_values.view(torch.uint8).numpy()[kept])
+        assert np.array_equal(scales[kept], want_scales.numpy()[kept])
+    for row, column in ((0, 3), (4, 98), (7, 99)):  # 100 = 3 vectors of 32 and 4 lanes
+        x = rows(8, 100)
+        x[row, column] = float("inf") if row % 2 else float("nan")
+        out = np.zeros((8, 100), np.uint8), np.zeros(8, np.float32), np.ones(8, np.uint8)
+        assert fp8_cpu.quantize_bf16_rows(x.view(torch.int16).numpy(), *out, variant) == row
+    with pytest.raises(ValueError, match="variant sse9: not one this CPU runs"):
+        fp8_cpu.quantize_bf16_rows(bits, values, scales, fallback, "sse9")
 
 
 def test_the_definition_marks_non_finite_rows_nan() -> None:
@@ -123,16 +151,20 @@ def bf16_rows(i: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def fp8_store(
-    path: Path, server_quantized: bool = False, given_back: dict[int, bool] | None = None
+    path: Path,
+    server_quantized: bool = False,
+    lent_until_written: dict[int, bool] | None = None,
+    codec: dict | None = None,
+    max_lent_bytes: int = 512 << 20,
 ) -> Store:
     """An FP8 store with every shard written and committed (sample 5 failed), from bf16 rows
-    or from the same rows quantized as the server does. `given_back`: for each sample, whether
-    the writer had given its memory back when write_sample returned."""
-    store = new_store(path, dtype="fp8_e4m3", codec={"name": "none"})
+    or from the same rows quantized as the server does. `lent_until_written`: for each sample,
+    whether the writer still held its memory when write_sample returned."""
+    store = new_store(path, dtype="fp8_e4m3", codec=codec or {"name": "none"})
     released: set[int] = set()
     for k in range(len(store.shards)):
         sh = store.shards[k]
-        writer = ShardWriter(store, sh)
+        writer = ShardWriter(store, sh, max_lent_bytes=max_lent_bytes)
         for i in range(sh.sample_begin, sh.sample_end):
             if i == 5:
                 writer.mark_failed(i, "test")
@@ -141,26 +173,56 @@ def fp8_store(
             if server_quantized:
                 states = tuple(Fp8Rows(*quantize_rows(x)) for x in states)
             writer.write_sample(i, *states, on_release=lambda i=i: released.add(i))
-            if given_back is not None:
-                given_back[i] = i in released
+            if lent_until_written is not None:
+                lent_until_written[i] = i not in released
         writer.commit({})
     assert released == {i for i in range(len(LENGTHS)) if i != 5}
     return Store.open(path)
 
 
-def test_rows_the_server_quantized_are_stored_as_they_are(tmp_path: Path) -> None:
-    """The same rows quantized by the writer (bf16 in) or by the server's definition (Fp8Rows
-    in) give the same bytes. The server's rows are written from its memory, held until their
-    chunks are written; bf16 rows are given back as soon as they are quantized."""
+@pytest.mark.parametrize("path", ["written from the chunk buffer", "copied out", "encoded"])
+def test_the_writer_quantizes_bf16_rows_into_the_bytes_of_the_servers_rows(
+    tmp_path: Path, path: str
+) -> None:
+    """The same rows quantized by the writer (bf16 in: on its write threads, into the chunk's
+    buffer; or on the caller, where rows waiting on a neighbour are copied out to release
+    their sample; then written, or encoded by a codec) or by the server's definition (Fp8Rows
+    in) give the same bytes. Either kind of rows is held until its chunks are written or
+    copied out."""
+    codec = {"name": "zstd", "level": 1} if path == "encoded" else None
+    max_lent = 0 if path == "copied out" else 512 << 20
     from_bf16: dict[int, bool] = {}
     from_server: dict[int, bool] = {}
-    a = fp8_store(tmp_path / "a.zarr", given_back=from_bf16)
-    b = fp8_store(tmp_path / "b.zarr", server_quantized=True, given_back=from_server)
+    a = fp8_store(tmp_path / "a.zarr", False, from_bf16, codec, max_lent)
+    b = fp8_store(tmp_path / "b.zarr", True, from_server)
     for name in ("aux_hidden_states", "final_hidden_states"):
         for array in (name, name + "_scale"):
             assert np.array_equal(a.group[array][:], b.group[array][:]), array
-    assert all(from_bf16.values())
-    assert not from_server[0]  # its chunk waits for samples 1 and 2: the dump is still lent
+    # Sample 0's chunk waits for samples 1 and 2: its rows are still lent, unless copied out.
+    assert from_server[0] and from_bf16[0] == (path != "copied out")
+
+
+@pytest.mark.parametrize("copied_out", [False, True])
+def test_a_non_finite_bf16_row_for_an_fp8_store_fails_the_shard_naming_the_sample(
+    tmp_path: Path, copied_out: bool
+) -> None:
+    """The worker's dump checks refuse such rows first; a writer given one anyway (quantizing on
+    a write thread, or on the caller when copying rows out) names the sample and the row, and
+    the shard is not committed."""
+    store = new_store(tmp_path / "s.zarr", dtype="fp8_e4m3", codec={"name": "none"})
+    sh = store.shards[0]
+    writer = ShardWriter(store, sh, max_lent_bytes=0 if copied_out else 512 << 20)
+    with pytest.raises(
+        ValueError, match=r"sample 1 \(s1-é\) aux: non-finite value in row \(0, 2\);"
+    ):
+        for i in range(sh.sample_begin, sh.sample_end):
+            aux, final = bf16_rows(i)
+            if i == 1:
+                aux[0, 2, 5] = float("nan")
+            writer.write_sample(i, aux, final)
+        writer.commit({})
+    writer.abort()
+    assert not store.committed().any()
 
 
 def test_an_fp8_store_reads_back_dequantized_and_raw_verifies_and_exports(
