@@ -50,7 +50,7 @@ from actors.dump_checks import DumpMismatch, check_dump
 from actors.generator import PartGeneration
 from actors.lease_keeper import Lease, LeaseKeeper, LeaseLost, ray_caller
 from actors.private_folders import HeldFolder, reclaim_abandoned
-from actors.process_group import reclaim_orphan_segments
+from actors.process_group import reclaim_orphan_segments, young_orphan_segments
 from actors.sglang_server import ServerError, ServerSpec, SGLangServer
 from actors.shard_writer import ShardWriter
 from actors.worker_metrics import WorkerMetrics
@@ -666,7 +666,8 @@ def reclaim_node(config: WorkerConfig) -> list[Path]:
 def reclaim_after(config: WorkerConfig, worker_ids: list[str], timeout_s: float = 60.0) -> int:
     """The node-level sweep the driver runs at a job's end where workers ended without their
     cleanup (stopped with ray.kill, killed, failed): once those workers are gone (ray.kill
-    returns before the process dies), what they left goes. The folders removed."""
+    returns before the process dies), what they left goes, a server segment made just before
+    its server was killed too (once old enough to judge). The folders removed."""
     deadline, removed = time.monotonic() + timeout_s, 0
     while True:
         removed += len(reclaim_node(config))
@@ -675,6 +676,6 @@ def reclaim_after(config: WorkerConfig, worker_ids: list[str], timeout_s: float 
             for worker_id in worker_ids
             for folder in dump_root(config).glob(f"{DUMPS_PREFIX}{worker_id}-*")
         ]
-        if not left or time.monotonic() > deadline:
+        if not (left or young_orphan_segments()) or time.monotonic() > deadline:
             return removed
         time.sleep(0.5)

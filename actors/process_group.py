@@ -51,16 +51,12 @@ def reclaim_orphan_segments(prefix: str = SGLANG_SEGMENTS, grace_s: float = 5.0)
     are older than `grace_s`: SGLang's load-snapshot segments, named at random per server start,
     which SGLang never removes once a server is killed (by SIGTERM either), and which a worker
     killed while its server started could not list (actors/private_folders.py). A live server
-    holds its segment from the moment it makes it."""
-    now = time.time()
-    candidates = []
-    for entry in os.scandir(SHM_ROOT):
-        with contextlib.suppress(OSError):
-            if entry.name.startswith(prefix) and now - entry.stat().st_mtime > grace_s:
-                candidates.append(Path(entry.path))
+    holds its segment from the moment it makes it; the grace covers one made by a process that
+    started after the scan of /proc."""
+    candidates = [path for path, age in _segments(prefix) if age > grace_s]
     if not candidates:
         return []
-    held = set(shm_files([int(e.name) for e in os.scandir("/proc") if e.name.isdigit()]))
+    held = _held_files()
     removed = []
     for path in candidates:
         if path not in held:
@@ -68,6 +64,31 @@ def reclaim_orphan_segments(prefix: str = SGLANG_SEGMENTS, grace_s: float = 5.0)
                 path.unlink()
                 removed.append(path)
     return removed
+
+
+def young_orphan_segments(prefix: str = SGLANG_SEGMENTS, grace_s: float = 5.0) -> list[Path]:
+    """The files `/dev/shm/<prefix>*` that no process holds but that are too young for
+    reclaim_orphan_segments to remove yet: a server killed as it started leaves one, and a
+    sweep that must leave none waits them out."""
+    young = [path for path, age in _segments(prefix) if age <= grace_s]
+    if not young:
+        return []
+    held = _held_files()
+    return [path for path in young if path not in held]
+
+
+def _segments(prefix: str) -> list[tuple[Path, float]]:
+    """The files `/dev/shm/<prefix>*`, each with its age (seconds since last modified)."""
+    now, found = time.time(), []
+    for entry in os.scandir(SHM_ROOT):
+        with contextlib.suppress(OSError):
+            if entry.name.startswith(prefix):
+                found.append((Path(entry.path), now - entry.stat().st_mtime))
+    return found
+
+
+def _held_files() -> set[Path]:
+    return set(shm_files([int(e.name) for e in os.scandir("/proc") if e.name.isdigit()]))
 
 
 def kill_group(pgid: int, members: list[int] | None = None, tracker_timeout: float = 2.0) -> None:

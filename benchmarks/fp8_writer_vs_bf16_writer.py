@@ -8,8 +8,8 @@ hsx_kernels/fp8_cpu.c, through hsx_store/fp8.py `quantize_into`). Both write and
 commit every shard of a fresh store; rates are GB/s of bf16 input; neither fsyncs; each call
 starts with no dirty pages and its memory faulted in (benchmarks/rounds.py); rounds alternate,
 value = median of the per-round ratios. Also printed: the FP8 store fed rows the server
-quantized (Fp8Rows: stored as they are), and the quantizer alone (`quantize`, into new arrays)
-per thread count.
+quantized (Fp8Rows: stored as they are), the kernel alone in each variant this CPU runs, and the
+quantizer alone (`quantize`, into new arrays) per thread count.
 
     .venv/bin/python -m benchmarks.fp8_writer_vs_bf16_writer   # or: make bench BENCH=...
 
@@ -31,6 +31,7 @@ import torch
 
 from benchmarks.rounds import alternate
 from benchmarks.writer_vs_tofile import new_store, writer_seconds
+from hsx_kernels import fp8_cpu
 from hsx_store.format import DEFAULT_CODEC, default_chunk_tokens
 from hsx_store.fp8 import FP8_DTYPE, Fp8Rows, quantize, quantize_rows
 
@@ -66,6 +67,24 @@ def writer_rate(root: Path, samples: list, dtype: str, per_shard: int, nbytes: i
     return nbytes / seconds / 1e9
 
 
+def kernel_rates(samples: list[Sample], nbytes: int, rows: int = 32) -> None:
+    """The C kernel alone, each variant this CPU runs, on one thread: blocks of `rows` rows
+    into a reused buffer, as the writer calls it."""
+    blocks = [x.reshape(-1, x.shape[-1]).view(torch.int16).numpy() for s in samples for x in s]
+    width = blocks[0].shape[1]
+    out, scales = np.empty((rows, width), np.uint8), np.empty(rows, np.float32)
+    for variant in fp8_cpu.variants():
+        start = time.perf_counter()
+        for bits in blocks:
+            for lo in range(0, len(bits), rows):
+                n = min(rows, len(bits) - lo)
+                fallback = np.ones(n, np.uint8)
+                kernel = fp8_cpu.quantize_bf16_rows
+                kernel(bits[lo : lo + n], out[:n], scales[:n], fallback, variant)
+        seconds = time.perf_counter() - start
+        print(f"  kernel alone, {variant}, 1 thread: {nbytes / seconds / 1e9:.2f} GB/s")
+
+
 def quantizer_rates(samples: list[Sample], nbytes: int) -> None:
     for threads in (1, 2):
         with ThreadPoolExecutor(threads) as pool:
@@ -92,6 +111,7 @@ def main() -> None:
     nbytes = sum(x.nbytes for s in samples for x in s)
     threads = torch.get_num_threads()
     print(f"{len(samples)} samples, {nbytes / 1e6:.0f} MB of bf16 rows; torch threads {threads}")
+    kernel_rates(samples, nbytes)
     quantizer_rates(samples, nbytes)
     with tempfile.TemporaryDirectory(dir=Path.cwd(), prefix=".bench-fp8-") as tmp:
         root, per_shard = Path(tmp), args.samples_per_shard

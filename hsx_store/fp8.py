@@ -137,10 +137,12 @@ def quantize_into(
     bytes `quantize_rows` gives. Returns the first row (flat over [...]) holding an inf or NaN,
     whose values and the rows' after it are then unspecified; else None. bf16 rows go through
     the C kernel (hsx_kernels/fp8_cpu.c, without the GIL), the rows it leaves and float32 rows
-    through the definition. Cheap to call on a few rows: the shard writer quantizes blocks of
-    ~0.5 MB."""
+    through the definition. Cheap to call on a few rows: the shard writer quantizes a few MB
+    at a time (actors/shard_writer.py `QUANTIZE_BLOCK_BYTES`)."""
+    if not (values.flags.c_contiguous and scales.flags.c_contiguous):
+        raise ValueError("quantize_into writes C-contiguous values and scales only")
     width = x.shape[-1]
-    out, row_scales = values.reshape(-1, width), scales.reshape(-1)
+    out, row_scales = values.reshape(-1, width), scales.reshape(-1)  # views
     if isinstance(x, np.ndarray):
         if x.dtype not in (np.uint16, np.int16):
             raise ValueError(f"expected bf16 bits (uint16), got {x.dtype}")

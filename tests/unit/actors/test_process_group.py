@@ -15,7 +15,13 @@ from pathlib import Path
 import pytest
 
 from actors.private_folders import SHM_ROOT
-from actors.process_group import group_pids, kill_group, reclaim_orphan_segments, shm_files
+from actors.process_group import (
+    group_pids,
+    kill_group,
+    reclaim_orphan_segments,
+    shm_files,
+    young_orphan_segments,
+)
 
 # Like an SGLang server: spawn-started children sharing a named semaphore, and a mapped segment.
 SERVER_LIKE = """
@@ -94,6 +100,10 @@ def test_orphan_segments_go_and_held_or_young_ones_stay() -> None:
             os.utime(path, (old, old))
         assert reclaim_orphan_segments(prefix) == [orphan]
         assert held.exists() and young.exists()
+        # What a sweep that must leave nothing waits out: the young one no process holds.
+        assert young_orphan_segments(prefix) == [young]
+        os.utime(young, (old, old))
+        assert young_orphan_segments(prefix) == [] and reclaim_orphan_segments(prefix) == [young]
     finally:
         kill_group(holder.pid)
         wait_gone(holder)
