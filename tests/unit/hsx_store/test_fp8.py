@@ -180,15 +180,16 @@ def fp8_store(
     return Store.open(path)
 
 
-@pytest.mark.parametrize("path", ["written from the chunk buffer", "copied out", "encoded"])
+@pytest.mark.parametrize("path", ["streamed", "copied out", "encoded"])
 def test_the_writer_quantizes_bf16_rows_into_the_bytes_of_the_servers_rows(
     tmp_path: Path, path: str
 ) -> None:
-    """The same rows quantized by the writer (bf16 in: on its write threads, into the chunk's
-    buffer; or on the caller, where rows waiting on a neighbour are copied out to release
-    their sample; then written, or encoded by a codec) or by the server's definition (Fp8Rows
-    in) give the same bytes. Either kind of rows is held until its chunks are written or
-    copied out."""
+    """The same rows quantized by the writer (bf16 in) or by the server's definition (Fp8Rows
+    in) give the same bytes, whichever way the writer quantizes: on its write threads a block
+    at a time as it writes each chunk's files (streamed); on the caller, where rows waiting on
+    a neighbour are copied out to release their sample (the chunk then mixes copied-out and
+    streamed rows); or into the chunk's buffer for a codec to encode. Either kind of rows is
+    held until its chunks are written or copied out."""
     codec = {"name": "zstd", "level": 1} if path == "encoded" else None
     max_lent = 0 if path == "copied out" else 512 << 20
     from_bf16: dict[int, bool] = {}
