@@ -51,8 +51,7 @@ def reclaim_orphan_segments(prefix: str = SGLANG_SEGMENTS, grace_s: float = 5.0)
     are older than `grace_s`: SGLang's load-snapshot segments, named at random per server start,
     which SGLang never removes once a server is killed (by SIGTERM either), and which a worker
     killed while its server started could not list (actors/private_folders.py). A live server
-    holds its segment from the moment it makes it; the grace covers one made by a process that
-    started after the scan of /proc."""
+    holds its segment from the moment it makes it."""
     candidates = [path for path, age in _segments(prefix) if age > grace_s]
     if not candidates:
         return []
