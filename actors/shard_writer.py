@@ -139,7 +139,8 @@ class _Unquantized:
 class _Piece:
     """Rows [lo, lo + len) of a chunk, one array per stored array: views of a sample's memory
     (lent) or of a buffer. `unquantized`: the rows are instead one bf16 array per hidden array,
-    which an FP8 store quantizes into a chunk buffer on the write thread."""
+    which an FP8 store quantizes on the write thread as it writes them (_ChunkBytes), or into a
+    chunk buffer (`_into_buffer`) where they are copied out or the whole chunk goes at once."""
 
     lo: int
     rows: tuple[np.ndarray, ...]
@@ -359,9 +360,8 @@ class ShardWriter:
         are written from this memory, so the arrays must stay untouched until `on_release` is
         called: once every chunk holding its rows is written (or its rows were copied out). An
         FP8 store takes rows the server quantized (Fp8Rows) as they are; bf16 rows it quantizes
-        on the write threads (hsx_store/fp8.py), each chunk's into a reused buffer, where a
-        non-finite value is a ValueError naming the sample that the next call (or `commit`)
-        raises."""
+        on the write threads as it writes each chunk (hsx_store/fp8.py), where a non-finite
+        value is a ValueError naming the sample that the next call (or `commit`) raises."""
         t0 = time.perf_counter()
         rows = self._claim(sample_index)
         p, name = rows.stop - rows.start, self._name(sample_index)
@@ -493,7 +493,7 @@ class ShardWriter:
         piece.rows = tuple(buf[dst] for buf in bufs)
         return loan
 
-    def _quantized(
+    def _quantize_into_buffers(
         self, pieces: list[_Piece], buffers: tuple[np.ndarray, ...] | None
     ) -> tuple[np.ndarray, ...] | None:
         """Quantize a chunk's bf16 pieces into its buffers (those its copied-out rows are in,
@@ -644,7 +644,7 @@ class ShardWriter:
         t0 = time.perf_counter()
         puts = [_raw_chunk_put(a, k) for a in self._arrays]
         if None in puts or not self._streams:  # the whole chunk at once: quantized first
-            buffers = self._quantized(pieces, buffers)
+            buffers = self._quantize_into_buffers(pieces, buffers)
         if None in puts:  # zarr encodes: hand it the chunk assembled in a reused buffer
             bufs = _BUFFERS.get(self._layout)
             rows = slice(k * self._c, (k + 1) * self._c)

@@ -101,8 +101,8 @@ INLINE u8x32 quantize_lanes(u16x32 b, u16x32 shifted, i16x32 top, int avx512)
 
 /* One row of h values: e4m3 bits into `out` for a row whose frexp exponent of max |x| is e.
  * Returns the largest magnitude (bits) of the row `next`, read in the same loop, prefetched
- * 8 KiB ahead: its loads from memory overlap this row's arithmetic (measured here: 12 GB/s of
- * bf16 a core, against 7 for a pass of its own before each row, and 6 without prefetching). */
+ * 8 KiB ahead: its loads from memory overlap this row's arithmetic (~1.7x faster than a pass
+ * of its own before each row: docs/benchmarks.md, fp8_writer_vs_bf16_writer). */
 INLINE int16_t quantize_row(const int16_t *restrict row, uint8_t *restrict out, Py_ssize_t h,
                             int e, const int16_t *next, int avx512)
 {
