@@ -172,23 +172,36 @@ typedef Py_ssize_t (*kernel_fn)(const int16_t *, uint8_t *, float *, uint8_t *, 
     }
 
 #if defined(__x86_64__) && defined(__GNUC__)
-VARIANT(quantize_avx512, __attribute__((target("arch=x86-64-v4"))), 1)
-VARIANT(quantize_avx2, __attribute__((target("arch=x86-64-v3"))), 0)
+/* Each variant's instruction sets, by feature: GCC >= 9 and Clang >= 10 know these names both in
+ * target attributes and in __builtin_cpu_supports (level names, "x86-64-v4", need GCC 12 and
+ * Clang 18 there). The lists are x86-64-v4's and x86-64-v3's less F16C, LZCNT, MOVBE and XSAVE,
+ * which GCC 9's builtin cannot test and this code never uses: GCC 12 compiles each variant to the
+ * bytes the level names gave. The builtin also checks that the OS saves the wider registers. */
+#define AVX2_FEATURES(_)                                                                      \
+    _(avx2) _(avx) _(fma) _(bmi) _(bmi2) _(popcnt) _(sse4.2) _(sse4.1) _(ssse3) _(sse3)
+#define AVX512_FEATURES(_)                                                                    \
+    _(avx512f) _(avx512bw) _(avx512cd) _(avx512dq) _(avx512vl) AVX2_FEATURES(_)
+#define COMMA_FEATURE(feature) "," #feature
+#define AND_CPU_HAS(feature) && __builtin_cpu_supports(#feature)
+/* "sse2,avx2,avx,...": SSE2 (every x86-64 has it) heads the list, which takes no empty item. */
+#define TARGET(features) __attribute__((target("sse2" features(COMMA_FEATURE))))
+VARIANT(quantize_avx512, TARGET(AVX512_FEATURES), 1)
+VARIANT(quantize_avx2, TARGET(AVX2_FEATURES), 0)
 VARIANT(quantize_baseline, , 0)
 static struct {
     const char *name;
     kernel_fn fn;
     int supported; /* by this CPU: set when the module loads */
 } VARIANTS[] = {
-    {"x86-64-v4", quantize_avx512, 0}, /* AVX-512 (F, BW, CD, DQ, VL) */
-    {"x86-64-v3", quantize_avx2, 0}, /* AVX2 */
+    {"avx512", quantize_avx512, 0},
+    {"avx2", quantize_avx2, 0},
     {"baseline", quantize_baseline, 1},
 };
 static void find_supported(void)
 {
     __builtin_cpu_init();
-    VARIANTS[0].supported = __builtin_cpu_supports("x86-64-v4");
-    VARIANTS[1].supported = __builtin_cpu_supports("x86-64-v3");
+    VARIANTS[0].supported = 1 AVX512_FEATURES(AND_CPU_HAS);
+    VARIANTS[1].supported = 1 AVX2_FEATURES(AND_CPU_HAS);
 }
 #else /* other CPUs: one variant */
 VARIANT(quantize_baseline, , 0)

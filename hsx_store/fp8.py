@@ -7,20 +7,22 @@ row. Scaling is exact, so the only rounding is the one to e4m3 (a row in the top
 
 `quantize_rows` is the definition, in tensor ops on any device; `quantize_rows_fast` gives its
 bytes in one fused pass on a GPU (hsx_store/fp8_cuda.py): the capture plugin runs it.
-`quantize_into` gives the same bytes on a CPU (a C kernel, hsx_kernels/fp8_cpu.c) into the
-caller's buffers: the shard writer's path for bf16 dumps; `quantize` into new arrays, in blocks
-of rows on the caller's threads. Bounds, bytes, who quantizes: docs/store-format.md.
+`quantize_into` gives the same bytes on a CPU (a C kernel, hsx_kernels/fp8_cpu.c, where the
+install could build it; else the definition, slower) into the caller's buffers: the shard
+writer's path for bf16 dumps; `quantize` into new arrays, in blocks of rows on the caller's
+threads. Bounds, bytes, who quantizes: docs/store-format.md.
 """
 
 from __future__ import annotations
 
+import functools
+import warnings
 from concurrent.futures import Executor
 from dataclasses import dataclass
+from types import ModuleType
 
 import numpy as np
 import torch
-
-from hsx_kernels import fp8_cpu
 
 FP8_DTYPE = "fp8_e4m3"  # the manifest's dtype of an FP8 store
 FP8_ATTR = {"stored_as": "uint8", "dtype": "float8_e4m3fn"}
@@ -129,6 +131,26 @@ def quantize(
     return values.reshape(x.shape), scales.reshape(x.shape[:-1])
 
 
+@functools.cache
+def cpu_kernel() -> ModuleType | None:
+    """The C kernel (hsx_kernels.fp8_cpu), or None where the install could not build it
+    (setup.py): then `quantize_into` runs the definition, and this warns, once. The only import
+    of the kernel, so that readers, verify and export never need it."""
+    try:
+        from hsx_kernels import fp8_cpu
+    except ImportError as error:
+        warnings.warn(
+            f"the CPU FP8 quantizer's kernel is not built ({error}): bf16 rows are quantized "
+            "for FP8 stores by the definition in torch, the same bytes an order of magnitude "
+            "slower; reinstall (`pip install -e .`) with a C compiler and Python's headers to "
+            "build it (docs/getting-started.md)",
+            RuntimeWarning,
+            stacklevel=2,
+        )
+        return None
+    return fp8_cpu
+
+
 def quantize_into(
     x: torch.Tensor | np.ndarray, values: np.ndarray, scales: np.ndarray
 ) -> int | None:
@@ -136,9 +158,10 @@ def quantize_into(
     `values` (e4m3 bits, uint8 [..., H]) and `scales` (float32 [...]), all C-contiguous: the
     bytes `quantize_rows` gives. Returns the first row (flat over [...]) holding an inf or NaN,
     whose values and the rows' after it are then unspecified; else None. bf16 rows go through
-    the C kernel (hsx_kernels/fp8_cpu.c, without the GIL), the rows it leaves and float32 rows
-    through the definition. Cheap to call on a few rows: the shard writer quantizes a few MB
-    at a time (actors/shard_writer.py `QUANTIZE_BLOCK_BYTES`)."""
+    the C kernel (hsx_kernels/fp8_cpu.c, without the GIL) where it is built, the rows it leaves
+    and float32 rows (every row, without it) through the definition. Cheap to call on a few
+    rows: the shard writer quantizes a few MB at a time (actors/shard_writer.py
+    `QUANTIZE_BLOCK_BYTES`)."""
     if not (values.flags.c_contiguous and scales.flags.c_contiguous):
         raise ValueError("quantize_into writes C-contiguous values and scales only")
     width = x.shape[-1]
@@ -152,8 +175,9 @@ def quantize_into(
     else:
         bits = None
     fallback = np.ones(len(out), np.uint8)
-    if bits is not None:
-        bad = fp8_cpu.quantize_bf16_rows(bits, out, row_scales, fallback)
+    kernel = cpu_kernel() if bits is not None else None
+    if kernel is not None:
+        bad = kernel.quantize_bf16_rows(bits, out, row_scales, fallback)
         if bad >= 0:
             return bad
         if not fallback.any():

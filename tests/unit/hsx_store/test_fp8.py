@@ -22,6 +22,7 @@ from hsx_store.format import Store
 from hsx_store.fp8 import Fp8Rows, dequantize, invalid_rows, quantize, quantize_rows
 from hsx_store.integrity import verify_store
 from hsx_store.reader import HiddenStatesDataset, HiddenStatesIterable
+from tests.helpers.fp8_kernel import check_variant
 from tests.helpers.fp8_rows import edge_rows, every_finite_bf16, every_value_under_every_scale, rows
 from tests.helpers.synthetic import LENGTHS, NUM_AUX, H, new_store
 
@@ -84,28 +85,9 @@ def test_the_cpu_quantizer_gives_the_bytes_of_the_definition(
 @pytest.mark.parametrize("variant", fp8_cpu.variants())
 def test_every_kernel_variant_this_cpu_runs_gives_the_bytes_of_the_definition(variant: str) -> None:
     """The C kernel holds a variant per x86-64 instruction set (AVX-512, AVX2, the baseline)
-    and uses the fastest this CPU runs; each one it runs is checked: every bf16 value under
-    every scale, the range's ends, rows whose length leaves a partial last vector, the rows
-    left to the definition (below 2 ** -93), and the first non-finite row, in a row's last
-    lanes too (the next row's maximum is found while a row is quantized)."""
-    for x in (every_value_under_every_scale(), edge_rows().repeat(1, 16), rows(8, 100)):
-        bits = x.view(torch.int16).numpy()
-        values, scales = np.zeros(bits.shape, np.uint8), np.zeros(len(bits), np.float32)
-        fallback = np.ones(len(bits), np.uint8)
-        assert fp8_cpu.quantize_bf16_rows(bits, values, scales, fallback, variant) == -1
-        exponent = torch.frexp(x.float().abs().amax(1)).exponent
-        assert fallback.tolist() == ((exponent < -92) & (x != 0).any(1)).tolist()
-        want_values, want_scales = quantize_rows(x)
-        kept = fallback == 0
-        assert np.array_equal(values[kept], want_values.view(torch.uint8).numpy()[kept])
-        assert np.array_equal(scales[kept], want_scales.numpy()[kept])
-    for row, column in ((0, 3), (4, 98), (7, 99)):  # 100 = 3 vectors of 32 and 4 lanes
-        x = rows(8, 100)
-        x[row, column] = float("inf") if row % 2 else float("nan")
-        out = np.zeros((8, 100), np.uint8), np.zeros(8, np.float32), np.ones(8, np.uint8)
-        assert fp8_cpu.quantize_bf16_rows(x.view(torch.int16).numpy(), *out, variant) == row
-    with pytest.raises(ValueError, match="variant sse9: not one this CPU runs"):
-        fp8_cpu.quantize_bf16_rows(bits, values, scales, fallback, "sse9")
+    and uses the fastest this CPU runs; each one it runs is checked (the checks:
+    tests/helpers/fp8_kernel.py; builds by older compilers: tests/unit/test_kernel_build.py)."""
+    check_variant(fp8_cpu, variant)
 
 
 def test_the_definition_marks_non_finite_rows_nan() -> None:
