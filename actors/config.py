@@ -45,8 +45,8 @@ class ModelConfig(Section):
     aux_layer_ids: list[int] | None = None
     """`--return-aux-hidden-state-layer-ids` as SGLang takes them: 1 to 8 distinct ids
     (EAGLE-3: 3; DFlash-style drafters: 5 or more). null: SGLang's EAGLE-3 default
-    [2, L//2, L-3]. Ids the model cannot capture are refused when its config.json is read,
-    before Ray or a server starts."""
+    [2, L//2, L-3] (refused where it repeats a layer: 4 to 6 layers). Ids the model cannot
+    capture are refused when its config.json is read, before Ray or a server starts."""
     trust_remote_code: bool = False
     """Run the model's own tokenizer and model code (Kimi-K2.5 needs it); passed to SGLang."""
 
@@ -193,7 +193,8 @@ class GenerateConfig(Section):
     min_p: float = Field(0.0, ge=0, le=1)
     """Leave out tokens less likely than this x the most likely one's probability."""
     stop: list[str] = []
-    """Strings that end a response (besides the model's own end-of-turn tokens)."""
+    """Strings that end a response (besides the model's own end-of-turn tokens); an empty one,
+    which every text holds, is refused."""
     seed: int = 0
     """The job's seed: each response's seed derives from it and its sample id. SGLang samples
     with it only on a server run with --enable-deterministic-inference (server.extra_args; GPU
@@ -203,6 +204,14 @@ class GenerateConfig(Section):
     follows it) or rejected with the reason."""
     inflight: int | None = Field(None, ge=1)
     """Generation requests in flight per server; null: worker.inflight x 4 (decode batches)."""
+
+    @field_validator("stop")
+    @classmethod
+    def _no_empty_stop(cls, stop: list[str]) -> list[str]:
+        # SGLang ends a response at the first stop string its text holds: "" after one token.
+        if "" in stop:
+            raise ValueError(f"entry {stop.index('')} is empty, which ends every response at once")
+        return stop
 
     def sampling_params(self) -> dict[str, Any]:
         """SGLang's sampling parameters for one response (the seed is per response)."""

@@ -82,7 +82,7 @@ def job_samples_per_s(
     config = parse_config(
         {
             "model": {"path": str(model)},
-            "data": {"paths": [str(data)], "max_length": 4096},
+            "data": {"paths": [str(data)], "max_length": 2048},
             "store": {"url": str(store_url), "samples_per_shard": args.per_shard},
             "server": {"max_total_tokens": 8192},
             "worker": {"inflight": args.inflight, "dump_root": str(work), "log_root": str(work)},

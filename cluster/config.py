@@ -18,6 +18,7 @@ import yaml
 from pydantic import Field, ValidationError, model_validator
 
 from actors.config import Section, WorkerJobConfig
+from cluster.model_limits import model_problems
 from hsx_store.location import OBSTORE_MAX_BACKOFF, duration_s, is_remote, obstore_options
 
 
@@ -47,7 +48,8 @@ class DataConfig(Section):
     """assistant: loss on the assistant turns of chat rows (text rows: every token); all:
     every token."""
     max_length: int = Field(4096, ge=1)
-    """Longer prompts are rejected, never truncated."""
+    """Longer prompts are rejected, never truncated. At most what one request to the model's
+    server takes (its context length less 7: see Rules)."""
 
 
 def store_write_bound_s(storage_options: dict[str, Any]) -> float:
@@ -228,12 +230,15 @@ def parse_config(raw: Any) -> JobConfig:
             + "\ngive absolute paths (the same on every node) or object storage URLs"
         )
     try:
-        return JobConfig.model_validate(raw)
+        config = JobConfig.model_validate(raw)
     except ValidationError as exc:
         lines = [
             f"  {'.'.join(map(str, e['loc'])) or '(top level)'}: {e['msg']}" for e in exc.errors()
         ]
         raise ConfigError("invalid job config:\n" + "\n".join(lines)) from None
+    if problems := model_problems(config):
+        raise ConfigError("invalid job config:\n" + "\n".join(f"  {p}" for p in problems))
+    return config
 
 
 def load_config(path: str | Path | None, overrides: list[str] = ()) -> JobConfig:

@@ -51,6 +51,7 @@ class TurnShape:
     header: str  # what precedes an assistant turn's content
     end: str  # what follows its content and is part of the turn (up to the last special token)
     end_glue: str  # what follows `end` after every assistant turn (never masked)
+    generation_prompt: bool  # add_generation_prompt changes the rendering (the template has one)
 
     @classmethod
     def learn(cls, render: Render, special_tokens: Sequence[str]) -> TurnShape:
@@ -78,11 +79,12 @@ class TurnShape:
             raise TemplateShapeError("an assistant turn does not render its content as written")
         # The header starts where the conversation before it would have ended (past any text
         # that only closes a conversation, e.g. an eos token).
-        before = os.path.commonprefix([render(user, False), last[:at]])  # noqa: RUF071
+        asked = render(user, False)
+        before = os.path.commonprefix([asked, last[:at]])  # noqa: RUF071
         header = last[len(before) : at]
         common = os.path.commonprefix([last[len(opened) :], more[len(opened) :]])  # noqa: RUF071
         cut = _after_last_special(common, special_tokens)
-        return cls(header, common[:cut], common[cut:])
+        return cls(header, common[:cut], common[cut:], render(user, True) != asked)
 
     def assistant_spans(self, text: str, messages: list[dict[str, Any]]) -> list[Span] | str:
         """The character span of each assistant turn in `text` (the rendering of `messages`),

@@ -292,24 +292,27 @@ class Encoder:
         return checked[0], np.zeros(len(ids), np.uint8), [len(seg) for seg in segments]
 
     def _segments(self, messages: list[dict[str, Any]]) -> list[list[int]] | str:
-        """Each turn to write's preceding tokens: with one turn, the rendering of the messages
-        before it with the generation prompt; with several, the text between the turns of one
-        rendering (every turn a probe), tokenized piece by piece (each starts after a special
-        token: the pieces are the whole's tokens)."""
-        if sum(m["content"] is None for m in messages) == 1:
-            return [self._tokenize([self._render(messages[:-1], True)])[0]]
+        """Each turn to write's preceding tokens. With one turn: the rendering of the messages
+        before it with the template's generation prompt. With several, or with a template that
+        has none (add_generation_prompt changes nothing: that rendering ends before the
+        assistant's header): one rendering with a probe text in every turn to write, the text
+        before and between those turns (headers included) tokenized piece by piece (each
+        starts after a special token: the pieces are the whole's tokens)."""
         shape = self._turn_shape()
         if isinstance(shape, str):
             return shape
+        if shape.generation_prompt and sum(m["content"] is None for m in messages) == 1:
+            return [self._tokenize([self._render(messages[:-1], True)])[0]]
         probe = "HSXPROBEASSISTANT"
         filled = [{**m, "content": probe} if m["content"] is None else m for m in messages]
         text = self._render(filled, False)
         spans = shape.assistant_spans(text, filled)
         if isinstance(spans, str):
             return spans
-        cuts = [0, *(e for span in spans for e in span)]
-        pieces = [text[cuts[2 * t] : cuts[2 * t + 1]] for t in range(len(spans))]
-        return self._tokenize(pieces)
+        to_write = [m["content"] is None for m in messages if m["role"] == "assistant"]
+        turns = [span for span, written in zip(spans, to_write, strict=True) if written]
+        after = [0, *(end for _, end in turns)]  # where each piece starts
+        return self._tokenize([text[after[t] : start] for t, (start, _) in enumerate(turns)])
 
     def _check(self, ids: list[int], mask: list[int] | None) -> Encoded | str:
         if not ids:

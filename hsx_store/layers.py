@@ -60,7 +60,8 @@ def resolve_layer_ids(config: dict, requested: list[int] | None) -> list[int]:
     LayerIdsError for ids no decoder layer of this model takes: SGLang 0.5.23 checks only
     `id < num_hidden_layers` before the +1, so Llama's id L-1 passes its startup check and
     fails the server's first forward ("The model captured 4 aux hidden states, but ... names
-    5 layers"; DeepSeek's packer: "captured 4 of 5")."""
+    5 layers"; DeepSeek's packer: "captured 4 of 5"), and for a default that repeats a layer
+    (models of 4 to 6 layers), naming distinct ids that fit."""
     num_layers, _ = num_layers_and_hidden(config)
     deepseek = bool(set(config.get("architectures") or []) & DEEPSEEK_STYLE)
     if requested is None:
@@ -82,7 +83,25 @@ def resolve_layer_ids(config: dict, requested: list[int] | None) -> list[int]:
             f"{bad} cannot be captured from this {num_layers}-layer model (indices "
             f"0..{num_layers - 1}: the residual stream entering each decoder layer)"
         )
+    if len(set(resolved)) < len(resolved):  # the default only: explicit ids are distinct
+        raise LayerIdsError(_default_repeats(config, num_layers, resolved))
     return sorted(resolved)
+
+
+def _default_repeats(config: dict, num_layers: int, resolved: list[int]) -> str:
+    """Why SGLang's EAGLE-3 default does not fit this small model (4 to 6 layers), and ids that
+    do. SGLang captures a layer once however often it is listed (`if i in layers_to_capture`):
+    a repeated one gives the drafter fewer states than its 3."""
+    twice = sorted({i for i in resolved if resolved.count(i) > 1})
+    deepseek = bool(set(config.get("architectures") or []) & DEEPSEEK_STYLE)
+    capturable = range(0 if deepseek else 1, num_layers)  # Llama-style: not the embeddings
+    spread = sorted({capturable[k * (len(capturable) - 1) // 2] for k in range(3)})
+    return (
+        f"null means SGLang's EAGLE-3 default [2, L//2, L-3], for this {num_layers}-layer model "
+        f"hidden_states indices {resolved}: it repeats {twice}, so SGLang would return "
+        f"{len(set(resolved))} of the drafter's 3 states; name distinct layers, e.g. "
+        f"{requested_layer_ids(config, spread)} (indices {spread})"
+    )
 
 
 def requested_layer_ids(config: dict[str, Any], resolved: Sequence[int]) -> list[int]:

@@ -61,7 +61,18 @@ A job is one YAML file with the sections below, run with
   before Ray or a server starts. Example: `aux layer ids [0, 2, 3, 5, 7] resolve to
   hidden_states indices [1, 3, 4, 6, 8] (Llama-style: each + 1, so ask for 0..6); [8] cannot
   be captured from this 8-layer model`. SGLang 0.5.23 checks only `id < num_hidden_layers`, so
-  it would accept Llama's id L-1 and fail the server's first forward instead.
+  it would accept Llama's id L-1 and fail the server's first forward instead. With the ids
+  null, SGLang's default `[2, L//2, L-3]` repeats a layer on a model of 4 to 6 layers (SGLang
+  would capture fewer than 3 states): refused, naming distinct ids that fit.
+- `data.max_length` is held, when the config is read, to what one request to the model's
+  server takes: its context length (SGLang's reading of `config.json`: the first of
+  `max_sequence_length`, `seq_length`, `max_seq_len`, `model_max_length`,
+  `max_position_embeddings`, times a RoPE scaling factor; `--context-length` in
+  `server.extra_args` where set), or `server.max_total_tokens` where smaller, less the 7
+  tokens SGLang 0.5.23 keeps (it refuses longer inputs with HTTP 400); `generate.max_new_tokens`
+  must leave room for a prompt in it. Example: `data.max_length: 4096 tokens is more than the
+  model's server takes in one request, 4089 (context length 4096, config.json
+  max_position_embeddings, less the 7 SGLang keeps)`.
 - `store.dtype: fp8_e4m3` needs `model.dtype: bfloat16` (it quantizes a bf16 capture).
 - `server.extra_args` must not hold `--tp-size`, `--tensor-parallel-size`, `--dp-size` or
   `--data-parallel-size`: set `server.tp_size` and `server.dp_size`, which placement uses.

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import json
+import re
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -10,13 +13,15 @@ from actors.config import MAX_AUX_LAYERS, WorkerJobConfig
 from cluster.__main__ import main as cli_main
 from cluster.config import ConfigError, parse_config
 from cluster.job_store import manifest_for
+from cluster.model_limits import context_length
+from hsx_store.layers import resolve_layer_ids
 
 
 def job(model: Path, tmp_path: Path, aux_layer_ids: list[int] | None) -> dict:
     (tmp_path / "prompts.jsonl").write_text('{"text": "hello"}\n')
     return {
         "model": {"path": str(model), "aux_layer_ids": aux_layer_ids},
-        "data": {"paths": [str(tmp_path / "prompts.jsonl")]},
+        "data": {"paths": [str(tmp_path / "prompts.jsonl")], "max_length": 256},
         "store": {"url": str(tmp_path / "s.zarr")},
     }
 
@@ -89,7 +94,7 @@ def test_the_job_config_takes_fp8_from_a_bf16_model_only(llama_path: Path) -> No
     from cluster.config import ConfigError, parse_config
     from cluster.job_store import manifest_for, storage_estimate
 
-    raw = {"model": {"path": str(llama_path)}, "data": {"paths": ["x.jsonl"]}}
+    raw = {"model": {"path": str(llama_path)}, "data": {"paths": ["x.jsonl"], "max_length": 256}}
     config = parse_config({**raw, "store": {"url": "s.zarr", "dtype": "fp8_e4m3"}})
     manifest = manifest_for(config, None)
     assert manifest.dtype == "fp8_e4m3" and manifest.served_dtype == "bfloat16"
@@ -192,6 +197,7 @@ def test_a_model_directory_that_cannot_size_the_capture_is_exit_2_before_a_store
         (tmp_path / "missing", f"model.path: {tmp_path / 'missing'} is not a directory"),
     ):
         args = ["run", "--model", str(model), "--data", given["data"]["paths"][0]]
+        args += ["--set", "data.max_length=256"]
         assert cli_main([*args, "--store", given["store"]["url"]]) == 2
         assert f"error: invalid job config:\n  {message}" in capsys.readouterr().err
     assert not (tmp_path / "s.zarr").exists()
@@ -242,3 +248,162 @@ def test_a_submitted_job_refuses_relative_outputs_and_inputs_it_did_not_bring(
     }
     config = parse_config(raw)
     assert config.data.paths == [str(package / "ray_configs" / "prompts.jsonl")]
+
+
+def model_dir(path: Path, **config: Any) -> Path:
+    """A model directory of a config.json alone: what the config check reads."""
+    path.mkdir()
+    (path / "config.json").write_text(json.dumps(config))
+    return path
+
+
+@pytest.mark.parametrize("layers", [4, 5, 6])
+@pytest.mark.parametrize("arch", ["LlamaForCausalLM", "DeepseekV3ForCausalLM"])
+def test_a_default_layer_choice_that_repeats_a_layer_is_refused_naming_ids_that_fit(
+    tmp_path: Path, arch: str, layers: int
+) -> None:
+    """SGLang's EAGLE-3 default [2, L//2, L-3] repeats a layer on 4 to 6 layers, and SGLang
+    captures a listed layer once: fewer states than the drafter's 3. Before: a ValueError
+    traceback from the manifest. The default itself stays SGLang's (what it serves the drafter
+    with), where it fits."""
+    model = model_dir(
+        tmp_path / "model", architectures=[arch], num_hidden_layers=layers, hidden_size=64
+    )
+    with pytest.raises(
+        ConfigError, match=r"model\.aux_layer_ids: null means SGLang's EAGLE-3 "
+    ) as e:
+        parse_config(job(model, tmp_path, None))
+    default = [2, layers // 2, layers - 3]
+    assert f"{layers}-layer model hidden_states indices {default}: it repeats" in str(e.value)
+    named = re.search(r"name distinct layers, e\.g\. (\[[\d, ]+\])", str(e.value))
+    assert named is not None
+    ids = json.loads(named.group(1))
+    config = parse_config(job(model, tmp_path, ids))  # what it names is taken
+    assert len(set(resolve_layer_ids(json.loads((model / "config.json").read_text()), ids))) == 3
+    assert config.model.aux_layer_ids == ids
+
+
+def test_the_default_layers_are_kept_where_they_fit_and_the_cli_names_the_field(
+    tmp_path: Path, deepseek_path: Path, capsys: pytest.CaptureFixture
+) -> None:
+    for layers in (3, 7):
+        arch = {"architectures": ["LlamaForCausalLM"], "num_hidden_layers": layers}
+        model = model_dir(tmp_path / f"m{layers}", **arch, hidden_size=64)
+        assert parse_config(job(model, tmp_path, None)).model.aux_layer_ids is None
+    # The tiny DeepseekV3 has 4 layers: `run` and `run --dry-run` exit 2, before a store.
+    given = job(deepseek_path, tmp_path, None)
+    args = ["run", "--model", str(deepseek_path), "--data", given["data"]["paths"][0]]
+    args += ["--store", given["store"]["url"], "--set", "data.max_length=256"]
+    for dry in ([], ["--dry-run"]):
+        assert cli_main([*args, *dry]) == 2
+        err = capsys.readouterr().err
+        assert "error: invalid job config:\n  model.aux_layer_ids: null means SGLang's" in err
+        assert "e.g. [0, 1, 3] (indices [0, 1, 3])" in err
+    assert not (tmp_path / "s.zarr").exists()
+
+
+def test_empty_stop_strings_are_refused_naming_the_field(tmp_path: Path) -> None:
+    """Before: `stop: [""]` was taken, and SGLang ended every response after its first token
+    (every text holds ""). Whitespace is text like any other: "\\n" ends a response at its
+    first line break, as asked."""
+    raw = job(tmp_path, tmp_path, None)
+    for stop, at in (([""], 0), (["\n\n", ""], 1)):
+        with pytest.raises(ConfigError, match=rf"generate\.stop: Value error, entry {at} is empty"):
+            parse_config({**raw, "generate": {"stop": stop}})
+    config = parse_config({**raw, "generate": {"stop": ["\n", " ."]}})
+    assert config.generate is not None and config.generate.stop == ["\n", " ."]
+
+
+def test_max_length_and_max_new_tokens_are_held_to_what_the_models_server_takes(
+    llama_path: Path, tmp_path: Path, capsys: pytest.CaptureFixture
+) -> None:
+    """Before: never checked, and with max_length over the context every request got HTTP 400
+    and every sample was rejected. One request to SGLang holds at most the context length less
+    7 tokens (measured: cluster/model_limits.py): 4089 for the tiny model's 4096."""
+
+    def config(max_length: int, **sections: dict) -> Any:
+        raw = job(llama_path, tmp_path, [0, 2, 4])
+        raw["data"]["max_length"] = max_length
+        return parse_config({**raw, **sections})
+
+    assert config(4089).data.max_length == 4089
+    with pytest.raises(
+        ConfigError,
+        match=r"data\.max_length: 4090 tokens is more than the model's server takes in one "
+        r"request, 4089 \(context length 4096, config\.json max_position_embeddings, less the 7",
+    ):
+        config(4090)
+    for args in (["--context-length", "512"], ["--context-length=512"]):
+        assert config(505, server={"extra_args": args}).data.max_length == 505
+        with pytest.raises(
+            ConfigError, match=r"506 tokens .*, 505 \(context length 512, --context-length in "
+        ):
+            config(506, server={"extra_args": args})
+    with pytest.raises(ConfigError, match=r", 505 \(KV cache of server\.max_total_tokens 512,"):
+        config(4089, server={"max_total_tokens": 512})
+    with pytest.raises(ConfigError, match=r"server\.extra_args: --context-length 'lots' is not"):
+        config(256, server={"extra_args": ["--context-length", "lots"]})
+    assert config(4089, generate={"max_new_tokens": 4088}).generate.max_new_tokens == 4088
+    with pytest.raises(
+        ConfigError, match=r"generate\.max_new_tokens: 4089 leaves no room for a prompt in the 4089"
+    ):
+        config(4089, generate={"max_new_tokens": 4089})
+
+    # The command line, run and dry-run alike: exit 2 naming the field, before a store exists.
+    given = job(llama_path, tmp_path, None)
+    args = ["run", "--model", str(llama_path), "--data", given["data"]["paths"][0]]
+    args += ["--store", given["store"]["url"], "--set", "data.max_length=8192"]
+    for dry in ([], ["--dry-run"]):
+        assert cli_main([*args, *dry]) == 2
+        err = capsys.readouterr().err
+        assert "error: invalid job config:\n  data.max_length: 8192 tokens is more than" in err
+    assert not (tmp_path / "s.zarr").exists()
+
+
+LLAMA_ROPE = {"rope_theta": 10000.0}
+
+
+@pytest.mark.parametrize(
+    "changes,expected",
+    [
+        ({}, 4096),
+        ({"rope_parameters": {**LLAMA_ROPE, "rope_type": "linear", "factor": 4.0}}, 16384),
+        ({"rope_parameters": None, "rope_scaling": {"type": "linear", "factor": 2.0}}, 8192),
+        (
+            {
+                "rope_parameters": {
+                    **LLAMA_ROPE,
+                    "rope_type": "llama3",
+                    "factor": 8.0,
+                    "low_freq_factor": 1.0,
+                    "high_freq_factor": 4.0,
+                    "original_max_position_embeddings": 1024,
+                }
+            },
+            4096,
+        ),
+        ({"seq_length": 1000}, 1000),  # before max_position_embeddings in SGLang's order
+        ({"max_position_embeddings": None}, 2048),  # none of the keys: SGLang's default
+    ],
+)
+def test_the_context_length_is_the_one_sglang_derives(
+    llama_path: Path, deepseek_path: Path, tmp_path: Path, changes: dict, expected: int
+) -> None:
+    """Against SGLang's own get_context_length on transformers' reading of the same config.json
+    (the tiny DeepseekV3's YaRN keeps its original length: 4096, not 32 x)."""
+    from sglang.srt.utils.hf_transformers.common import get_context_length, get_hf_text_config
+    from transformers import AutoConfig
+
+    llama = json.loads((llama_path / "config.json").read_text())
+    configs = {"llama": {k: v for k, v in {**llama, **changes}.items() if v is not None}}
+    configs["deepseek"] = json.loads((deepseek_path / "config.json").read_text())
+    configs["vlm"] = {  # a multimodal model: its text config holds the length
+        "model_type": "llava",
+        "architectures": ["LlavaForConditionalGeneration"],
+        "text_config": configs["llama"],
+    }
+    for name, config in configs.items():
+        model = model_dir(tmp_path / name, **config)
+        sglang = get_context_length(get_hf_text_config(AutoConfig.from_pretrained(model)))
+        assert context_length(config)[0] == sglang, name
+        assert sglang == (4096 if name == "deepseek" else expected), name

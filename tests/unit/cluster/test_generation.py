@@ -21,6 +21,7 @@ from hsx_store.generated import GeneratedParts, closed_turn, conversation
 from tests.helpers.jobs import job_config
 from tests.helpers.prompts import write_prompts
 from tests.unit.cluster.test_plan import write_jsonl
+from tools.tiny_models import CHAT_TEMPLATE
 
 END = "<|im_end|>"
 
@@ -30,8 +31,12 @@ def tok(llama_path: Path) -> Any:
     return AutoTokenizer.from_pretrained(llama_path)
 
 
-def prompts(path: Path, model: Path, rows: list[Any], **generate: Any) -> list[Sample | Reject]:
-    data = DataConfig(paths=[str(write_jsonl(path, rows))], max_length=128)
+def prompts(
+    path: Path, model: Path, rows: list[Any], chat_template: str = "model", **generate: Any
+) -> list[Sample | Reject]:
+    data = DataConfig(
+        paths=[str(write_jsonl(path, rows))], max_length=128, chat_template=chat_template
+    )
     stream = PlanStream(data, model, generate=GenerateConfig(**generate))
     return [item for item in stream if isinstance(item, Sample | Reject)]
 
@@ -86,6 +91,65 @@ def test_every_turn_written_anew_has_the_text_between_turns_as_its_segments(
     assert c.input_ids[first:].tolist() == between["input_ids"]
     nones = [m for m in c.prompt["prompt"] if m["content"] is None]
     assert len(nones) == 2 and c.prompt["prompt"][0] == system
+
+
+GENERATION_PROMPT = "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+assert GENERATION_PROMPT in CHAT_TEMPLATE
+NO_GENERATION_PROMPT = CHAT_TEMPLATE.replace(GENERATION_PROMPT, "")
+
+
+@pytest.mark.parametrize(
+    "template",
+    [NO_GENERATION_PROMPT, NO_GENERATION_PROMPT + "{{ eos_token }}"],
+    ids=["plain", "closed-with-eos"],  # the latter: a header appended to its text would follow eos
+)
+def test_a_template_without_a_generation_prompt_prompts_with_the_header_it_writes_turns_with(
+    tmp_path: Path, llama_path: Path, tok: Any, template: str
+) -> None:
+    """The tiny model's template without its `add_generation_prompt` branch gives the prompts
+    the template with it gives, token for token. Before: they ended at the user turn's end,
+    without `<|im_start|>assistant\\n` (turns: last and all)."""
+    (tmp_path / "t.jinja").write_text(template)
+    u1, a1 = {"role": "user", "content": "hello"}, {"role": "assistant", "content": "hi"}
+    u2 = {"role": "user", "content": "and then?"}
+    rows = [
+        {"id": "one-turn", "messages": [u1]},
+        {"id": "ends-with-assistant", "messages": [u1, a1, u2, a1]},
+        {"id": "two-turns", "messages": [u1, a1, u2]},
+    ]
+    header = tok("<|im_start|>assistant\n", add_special_tokens=False)["input_ids"]
+    for turns in ("last", "all"):
+        theirs = prompts(tmp_path / "p.jsonl", llama_path, rows, turns=turns, max_new_tokens=8)
+        ours = prompts(
+            tmp_path / "p.jsonl", llama_path, rows, str(tmp_path / "t.jinja"), turns=turns,
+            max_new_tokens=8,
+        )  # fmt: skip
+        assert all(isinstance(x, Sample) for x in (*theirs, *ours))
+        got = [(x.input_ids.tolist(), x.prompt["segments"]) for x in ours]
+        assert got == [(x.input_ids.tolist(), x.prompt["segments"]) for x in theirs], turns
+        assert all(ids[-len(header) :] == header for ids, _ in got)
+
+
+def test_a_generation_prompt_of_the_templates_own_is_the_one_prompts_end_with(
+    tmp_path: Path, llama_path: Path, tok: Any
+) -> None:
+    """Where add_generation_prompt changes the rendering, the template says how a response
+    starts (here an opened think block), not the header its written turns have."""
+    thinking = CHAT_TEMPLATE.replace(
+        GENERATION_PROMPT, "{% if add_generation_prompt %}<|im_start|>assistant\n<think>{% endif %}"
+    )
+    (tmp_path / "t.jinja").write_text(thinking)
+    u1 = {"role": "user", "content": "hello"}
+    (got,) = prompts(
+        tmp_path / "p.jsonl", llama_path, [{"messages": [u1]}], str(tmp_path / "t.jinja"),
+        max_new_tokens=8,
+    )  # fmt: skip
+    assert isinstance(got, Sample)
+    expected = tok.apply_chat_template(
+        [u1], chat_template=thinking, add_generation_prompt=True, tokenize=True, return_dict=True
+    )["input_ids"]
+    assert got.input_ids.tolist() == list(expected)
+    assert tok.decode(got.input_ids).endswith("<|im_start|>assistant\n<think>")
 
 
 def test_prompts_without_room_or_a_turn_to_answer_are_rejected_naming_why(

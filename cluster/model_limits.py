@@ -1,0 +1,131 @@
+"""The job config held to its model when the config is read, before a store, Ray or a server
+exists: the aux layers SGLang would capture, and the longest request its server takes.
+
+    problems = model_problems(config)   # ["data.max_length: ...", ...]; [] when everything fits
+
+Only a readable config.json is held to here: a missing or broken one is named by the checks
+that need it (the store's manifest, cluster/job_store.py; `run --dry-run`).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from cluster.config import JobConfig
+
+# SGLang 0.5.23 takes an input of at most context_length - 7 tokens: its scheduler refuses
+# len >= max_req_input_len = min(context_length, KV pool) - 1 - 5 (managers/tp_worker.py,
+# managers/utils.py validate_input_length). Measured: with --context-length 64, an input of 57
+# tokens is answered and one of 58 gets HTTP 400.
+SGLANG_INPUT_MARGIN = 7
+
+# Where SGLang reads a model's context length (utils/hf_transformers/common.py): the keys in
+# its order of preference, in the text config of a multimodal model (get_hf_text_config),
+# else 2048.
+CONTEXT_LENGTH_KEYS = (
+    "max_sequence_length",
+    "seq_length",
+    "max_seq_len",
+    "model_max_length",
+    "max_position_embeddings",
+)
+TEXT_CONFIG_KEYS = ("llm_config", "language_config", "text_config")
+SGLANG_DEFAULT_CONTEXT = 2048
+
+
+def text_config(config: dict[str, Any]) -> dict[str, Any]:
+    """The part of config.json that describes the language model, as SGLang picks it."""
+    thinker = config.get("thinker_config")
+    if isinstance(thinker, dict):
+        inner = thinker.get("text_config")
+        return inner if isinstance(inner, dict) else thinker
+    for key in TEXT_CONFIG_KEYS:
+        if isinstance(config.get(key), dict):
+            return config[key]
+    return config
+
+
+def context_length(config: dict[str, Any]) -> tuple[int, str]:
+    """SGLang's context length for a model's config.json (get_context_length), and where it
+    comes from. A RoPE scaling factor multiplies it, except where the config keeps the original
+    length (YaRN, with original_max_position_embeddings) or the type is llama3."""
+    text = text_config(config)
+    rope = text.get("rope_scaling") or text.get("rope_parameters")
+    rope = rope if isinstance(rope, dict) else {}
+    kind = rope.get("rope_type", rope.get("type"))
+    unscaled = "original_max_position_embeddings" in rope or kind == "llama3"
+    factor = rope["factor"] if _is_number(rope.get("factor")) and not unscaled else 1
+    for key in CONTEXT_LENGTH_KEYS:
+        value = text.get(key)
+        if _is_number(value):
+            scaled = f" x rope factor {factor:g}" if factor != 1 else ""
+            return int(factor * value), f"config.json {key}{scaled}"
+    return SGLANG_DEFAULT_CONTEXT, f"SGLang's default: config.json has no {CONTEXT_LENGTH_KEYS}"
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool)
+
+
+def flag_value(args: list[str], flag: str) -> str | None:
+    """The value a command line gives `flag` (`--flag V` or `--flag=V`; the last one wins, as
+    argparse takes it); None: not given."""
+    value = None
+    for i, arg in enumerate(args):
+        if arg == flag and i + 1 < len(args):
+            value = args[i + 1]
+        elif arg.startswith(flag + "="):
+            value = arg.split("=", 1)[1]
+    return value
+
+
+def longest_input(config: JobConfig, model: dict[str, Any]) -> tuple[int, str] | str:
+    """The most tokens one request to the job's servers may hold, and why; or the problem."""
+    context, source = context_length(model)
+    given = flag_value(config.server.extra_args, "--context-length")
+    if given is not None:
+        if not given.isdigit():
+            return f"server.extra_args: --context-length {given!r} is not a number of tokens"
+        context, source = int(given), "--context-length in server.extra_args"
+    limits = [(context, f"context length {context}, {source}")]
+    if config.server.max_total_tokens is not None:
+        total = config.server.max_total_tokens
+        limits.append((total, f"KV cache of server.max_total_tokens {total}"))
+    size, why = min(limits)
+    return size - SGLANG_INPUT_MARGIN, f"{why}, less the {SGLANG_INPUT_MARGIN} SGLang keeps"
+
+
+def model_problems(config: JobConfig) -> list[str]:
+    """What of `config` the model's server would refuse or get wrong, one line per field."""
+    # Imported here: hsx_store.layers brings torch (patches/dump_files.py), which the modules
+    # that import cluster.config (the planners among them) need not pay for.
+    from hsx_store.layers import LayerIdsError, ModelConfigError, model_config, resolve_layer_ids
+
+    try:
+        model = model_config(Path(config.model.path))
+    except ModelConfigError:
+        return []
+    problems = []
+    try:
+        resolve_layer_ids(model, config.model.aux_layer_ids)
+    except LayerIdsError as exc:
+        problems.append(f"model.aux_layer_ids: {exc}")
+    except ModelConfigError:
+        pass  # no layer count: named with model.path where the capture is sized
+    limit = longest_input(config, model)
+    if isinstance(limit, str):
+        return [*problems, limit]
+    most, why = limit
+    if config.data.max_length > most:
+        problems.append(
+            f"data.max_length: {config.data.max_length} tokens is more than the model's server "
+            f"takes in one request, {most} ({why}); set it to at most {most}"
+        )
+    if config.generate is not None and config.generate.max_new_tokens >= most:
+        problems.append(
+            f"generate.max_new_tokens: {config.generate.max_new_tokens} leaves no room for a "
+            f"prompt in the {most} tokens the model's server takes in one request ({why})"
+        )
+    return problems
