@@ -10,7 +10,8 @@ A sample is a dict of `sample_id`, `input_ids`, `loss_mask`, `aux_hidden_states`
 bf16 unless `fp8="raw"`. The visible samples are a snapshot taken when the reader is built. The
 store is opened lazily in each process (on object storage: not in a forked worker). Chunks are
 read ahead of the consumer: local files by hsx_store/file_rows.py, remote objects by
-hsx_store/object_rows.py.
+hsx_store/object_rows.py. A reader is bound to the store it was built on (its `store_id`): one
+that finds another store at its URL raises `StoreReplaced` rather than read it with its layout.
 
 Every key, shape and dtype: docs/using-the-data.md.
 """
@@ -28,12 +29,13 @@ import numpy as np
 import torch
 import zarr
 from torch.utils.data import Dataset, IterableDataset, get_worker_info
+from zarr.abc.store import Store as ZarrStore
 
 from hsx_store import file_rows, object_rows
 from hsx_store.file_rows import FileRows
 from hsx_store.format import STATUS_WRITTEN, Manifest, Shard, Store, stored_arrays
 from hsx_store.fp8 import FP8_DTYPE, as_float8, dequantize, scale_name
-from hsx_store.location import is_remote
+from hsx_store.location import StoreAccessError, is_remote
 from hsx_store.object_rows import RemoteRows
 from hsx_store.read_ahead import Block
 
@@ -44,6 +46,50 @@ COMPLETE = "the job is complete: every planned shard is committed"  # why follow
 PLAN_ARRAYS = ("input_ids", "loss_mask")
 
 
+class StoreReplaced(StoreAccessError):
+    """The store a reader was built on is no longer at its URL: another store (another
+    `store_id`) is there now, or none. Its layout would misplace every row of the new one."""
+
+
+def _describe(store_id: str | None) -> str:
+    return "none (a store made before store ids)" if store_id is None else store_id
+
+
+def _replaced(url: str, bound: str | None, now: str) -> StoreReplaced:
+    """The error for a reader (or export) bound to store_id `bound` at `url`, which holds
+    `now` ("store_id ... there now", "no store there now")."""
+    return StoreReplaced(
+        f"{url}: store_id {_describe(bound)} when first read, {now}: the store was "
+        "deleted or made again at this URL, and the layout read from the first one would "
+        "misplace the rows of this one. Start again on the new store (a cursor or an export "
+        "made from the old one does not apply to it)"
+    )
+
+
+def check_same_store(
+    url: str, bound: str | None, found: str | None, cause: BaseException | None = None
+) -> None:
+    """Raises StoreReplaced unless `found`, the store_id at `url` now, is `bound`."""
+    if found != bound:
+        error = _replaced(url, bound, f"store_id {_describe(found)} there now")
+        raise error from cause
+
+
+def bound_attributes(
+    url: str, location: ZarrStore, bound: str | None, cause: BaseException | None = None
+) -> dict[str, Any]:
+    """The attributes of the store at `url` (`location`), read afresh: one small read, its
+    `zarr.json`. StoreReplaced unless it is still store `bound` (`cause`: the error that made
+    the caller look)."""
+    try:
+        group = zarr.open_group(store=location, mode="r", zarr_format=3)
+    except (FileNotFoundError, zarr.errors.GroupNotFoundError):
+        raise _replaced(url, bound, "no store there now") from cause
+    attrs = group.attrs.asdict()
+    check_same_store(url, bound, attrs.get("store_id"), cause)
+    return attrs
+
+
 def token_arrays(manifest: Manifest) -> list[str]:
     """The store's token-major arrays: the plan's, the hidden ones and an FP8 store's scales."""
     return [*PLAN_ARRAYS, *(a.name for a in stored_arrays(manifest))]
@@ -51,7 +97,9 @@ def token_arrays(manifest: Manifest) -> list[str]:
 
 class _StoreView:
     """What both readers share: the committed shards seen so far, their samples' ids and
-    status, and a per-process store handle. `refresh()` catches up with later commits."""
+    status, and a per-process store handle. `refresh()` catches up with later commits. Bound
+    to the store it opened first (`store_id`): every handle opened later, and every refresh,
+    checks that the URL still holds it."""
 
     def __init__(
         self,
@@ -66,6 +114,8 @@ class _StoreView:
         self.url, self.storage_options = str(url), storage_options
         self.concurrency, self.prefetch_bytes, self.fp8 = concurrency, prefetch_bytes, fp8
         store = Store.open(self.url, storage_options=storage_options)
+        self.store_id: str | None = store.group.attrs.get("store_id")
+        self.last_report: dict[str, Any] | None = None  # as the last refresh read it
         self.manifest: Manifest = store.manifest
         self.token_arrays = token_arrays(self.manifest)
         self._store: Store | None = store
@@ -80,11 +130,22 @@ class _StoreView:
     def refresh(self) -> list[Shard]:
         """The shards committed since this view last looked (the plan may have grown too):
         their samples' ids and status read once, when their commit is first seen. A shard
-        commits once (its first claim wins), so no shard is seen twice."""
+        commits once (its first claim wins), so no shard is seen twice. The store's attributes
+        are read after the commits, ids and status: a store made at this URL since writes its
+        `store_id` before any commit, so none of its commits is ever taken for this one's."""
         store = self.store
-        store.refresh()
-        committed = store.committed()
-        new = [sh for sh in store.shards if committed[sh.index] and sh.index not in self.seen]
+        try:
+            store.refresh()
+            committed = store.committed()
+            new = [sh for sh in store.shards if committed[sh.index] and sh.index not in self.seen]
+            if new:
+                begin, end = min(sh.sample_begin for sh in new), max(sh.sample_end for sh in new)
+                ids = np.asarray(store.array("sample_id")[begin:end])
+                status = np.asarray(store.array("sample_status")[begin:end])
+        except Exception as exc:  # another store's arrays misread: say that, if so
+            self.check(cause=exc)
+            raise
+        self.check()
         self.sample_start, self.sample_length = store.sample_start, store.sample_length
         if not new:
             return []
@@ -93,9 +154,6 @@ class _StoreView:
             self._rows = None
         self.sample_ids = np.concatenate([self.sample_ids, np.full(grow, "", dtype=object)])
         self.written = np.concatenate([self.written, np.zeros(grow, dtype=bool)])
-        begin, end = min(sh.sample_begin for sh in new), max(sh.sample_end for sh in new)
-        ids = np.asarray(store.array("sample_id")[begin:end])
-        status = np.asarray(store.array("sample_status")[begin:end])
         for sh in new:
             at, of = (
                 slice(sh.sample_begin, sh.sample_end),
@@ -117,11 +175,13 @@ class _StoreView:
         store = self.store
         return store.planned and len(self.seen) == len(store.shards)
 
-    def report(self) -> dict[str, Any] | None:
-        """The report of the store's last finished run, read afresh (None: no run ended yet)."""
-        group = zarr.open_group(store=self.store.group.store, mode="r", zarr_format=3)
-        report = group.attrs.get("report")
-        return dict(report) if isinstance(report, Mapping) else None
+    def check(self, cause: BaseException | None = None) -> None:
+        """The store's attributes read afresh (`bound_attributes`: StoreReplaced if the URL
+        holds another store now, or none), and with them `last_report` (the report of its
+        last finished run; None: no run ended yet)."""
+        attrs = bound_attributes(self.url, self.store.group.store, self.store_id, cause)
+        report = attrs.get("report")
+        self.last_report = dict(report) if isinstance(report, Mapping) else None
 
     def __getstate__(self) -> dict[str, Any]:
         return {**self.__dict__, "_store": None, "_rows": None}  # per process
@@ -137,8 +197,10 @@ class _StoreView:
                 )
             self._store, self._rows = None, None  # its read threads stayed in the parent
         if self._store is None:
-            self._store = Store.open(self.url, storage_options=self.storage_options)
-            self._opened_by = os.getpid()
+            store = Store.open(self.url, storage_options=self.storage_options)
+            # Its attributes were read as it opened: no extra read.
+            check_same_store(self.url, self.store_id, store.group.attrs.get("store_id"))
+            self._store, self._opened_by = store, os.getpid()
         return self._store
 
     @property
@@ -211,6 +273,11 @@ class _VisibleSamples:
         return self._view.manifest
 
     @property
+    def store_id(self) -> str | None:
+        """The store this reader reads (None: a store made before store ids)."""
+        return self._view.store_id
+
+    @property
     def sample_indices(self) -> np.ndarray:
         """Store indices of the visible samples, ascending (item k of the Dataset is the k-th)."""
         return self._view.visible
@@ -264,10 +331,15 @@ class HiddenStatesIterable(_VisibleSamples, IterableDataset):
     commit (None: never); `ended` says which, and it is logged.
 
     **A cursor.** `state_dict()` says which of its shards this consumer finished this epoch
-    and how many samples of the current one it yielded; `load_state_dict()` before iterating
-    resumes right after them, so a trainer that checkpoints it sees every sample once across a
-    restart, also while the job still writes. With DataLoader workers, use torchdata's
+    and how many samples of the current one it yielded, and of which store (`store_id`);
+    `load_state_dict()` before iterating resumes right after them, so a trainer that
+    checkpoints it sees every sample once across a restart, also while the job still writes.
+    A cursor of another store is refused. With DataLoader workers, use torchdata's
     `StatefulDataLoader`, which keeps one per worker.
+
+    **Its store.** Each iteration starts by checking that the URL still holds the store the
+    reader was built on, each poll after reading the commits, and a long read every `poll_s`:
+    another store there (deleted and made again) raises `StoreReplaced`.
 
     Each shard is read in contiguous blocks of whole samples of at most `block_bytes` (one read
     per array per block; a larger sample is a block of its own), so memory stays bounded; 16 MB
@@ -328,19 +400,37 @@ class HiddenStatesIterable(_VisibleSamples, IterableDataset):
             return self._cursor.state()
         if self._loaded is not None:
             return dict(self._loaded)
-        return Cursor(self.epoch, self.seed, self.shuffle, *self._consumer()).state()
+        return self._new_cursor().state()
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Resume from a saved `state_dict()` at the next iteration (its epoch becomes this
-        reader's)."""
+        reader's). Refused if saved reading another store."""
+        mine = _describe(self.store_id)
+        if state.get("version") == 1:  # saved before cursors named their store
+            raise ValueError(
+                f"a reader cursor of version 1 names no store, so it cannot be checked against "
+                f"{self._view.url} (store_id {mine}); if it was saved reading this very store, "
+                f"load it as {{**cursor, 'version': {CURSOR_VERSION}, 'store_id': "
+                f"{self.store_id!r}}}; otherwise load none (the epoch is read from its start)"
+            )
         if state.get("version") != CURSOR_VERSION:
             raise ValueError(f"not a reader cursor of version {CURSOR_VERSION}: {dict(state)}")
+        if state.get("store_id") != self.store_id:
+            raise ValueError(
+                f"this cursor was saved reading store_id "
+                f"{_describe(state.get('store_id'))}, not {self._view.url} (store_id "
+                f"{mine}): its shards are another store's (one made again at a URL is another "
+                "store). Resume from a checkpoint of this store, or load none (the epoch is "
+                "read from its start)"
+            )
         self._loaded, self._cursor = dict(state), None
         self.epoch = int(state["epoch"])
 
+    def _new_cursor(self) -> Cursor:
+        return Cursor(self.epoch, self.seed, self.shuffle, *self._consumer(), self.store_id)
+
     def _start(self) -> Cursor:
-        me, consumers = self._consumer()
-        cursor = Cursor(self.epoch, self.seed, self.shuffle, me, consumers)
+        cursor = self._new_cursor()
         loaded, self._loaded = self._loaded, None
         if loaded is not None and int(loaded["epoch"]) == self.epoch:
             cursor.resume(loaded)
@@ -353,7 +443,8 @@ class HiddenStatesIterable(_VisibleSamples, IterableDataset):
         cursor = self._start()
         view, self.ended = self._view, None
         poll, last_commit = self.poll_s, time.monotonic()
-        report = view.report() if self.follow else None
+        view.check()  # still this reader's store? and the report there now
+        report = view.last_report
         while True:
             batch = self._assigned(cursor)
             if batch:
@@ -375,9 +466,11 @@ class HiddenStatesIterable(_VisibleSamples, IterableDataset):
             poll = min(poll * 1.5, self.max_poll_s)
 
     def _end(self, report_at_start: dict[str, Any] | None) -> str | None:
+        """Why following ends, from the report the last refresh read (after its commits: the
+        refresh made next reads every commit made before that report)."""
         if self._view.complete():
             return COMPLETE
-        report = self._view.report()
+        report = self._view.last_report
         if report is not None and report != report_at_start:
             missing = len(self._view.store.shards) - len(self._view.seen)
             return (
@@ -413,7 +506,11 @@ class HiddenStatesIterable(_VisibleSamples, IterableDataset):
             for sh in shards
         }
         blocks = (block for shard in shards for block in self._blocks(shard))
+        check_at = time.monotonic() + self.poll_s
         for block, rows in self._view.read_blocks(blocks):
+            if time.monotonic() >= check_at:  # reading for long: the store checked as a poll would
+                self._view.check()
+                check_at = time.monotonic() + self.poll_s
             k, first, stop = block.tag
             for n in range(first, stop):
                 if not written[n]:
@@ -447,16 +544,25 @@ class HiddenStatesIterable(_VisibleSamples, IterableDataset):
             i = j
 
 
-CURSOR_VERSION = 1
+CURSOR_VERSION = 2  # 2: `store_id`
 
 
 class Cursor:
-    """One consumer's place in one epoch: the shards it finished, and how many samples of the
-    one it is in it yielded. Its order and share of the shards follow from (seed, epoch)."""
+    """One consumer's place in one epoch of one store: the shards it finished, and how many
+    samples of the one it is in it yielded. Its order and share of the shards follow from
+    (seed, epoch)."""
 
-    def __init__(self, epoch: int, seed: int, shuffle: bool, consumer: int, consumers: int) -> None:
+    def __init__(
+        self,
+        epoch: int,
+        seed: int,
+        shuffle: bool,
+        consumer: int,
+        consumers: int,
+        store_id: str | None,
+    ) -> None:
         self.epoch, self.seed, self.shuffle = epoch, seed, shuffle
-        self.consumer, self.consumers = consumer, consumers
+        self.consumer, self.consumers, self.store_id = consumer, consumers, store_id
         self.done: set[int] = set()
         self.shard: int | None = None
         self.samples = 0
@@ -481,6 +587,7 @@ class Cursor:
     def state(self) -> dict[str, Any]:
         return {
             "version": CURSOR_VERSION,
+            "store_id": self.store_id,
             "epoch": self.epoch,
             "seed": self.seed,
             "shuffle": self.shuffle,

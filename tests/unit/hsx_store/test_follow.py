@@ -1,29 +1,39 @@
 """Following a store while its shards commit: every committed sample once, in each consumer's
 share; the end of the job, or of the wait, said; a cursor saved mid-way resumes exactly after
-what was yielded; an export that follows writes what a plain one writes, shard by shard. The
-shards are written and committed by the real shard writer, in a thread (the job's stand-in) or
-in the test between reads."""
+what was yielded; an export that follows writes what a plain one writes, shard by shard; a
+follower or a cursor of one store never reads another made at its URL. The shards are written
+and committed by the real shard writer, in a thread (the job's stand-in) or in the test between
+reads."""
 
 from __future__ import annotations
 
 import itertools
 import json
+import pickle
+import re
+import shutil
 import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
 
+import ml_dtypes
+import numpy as np
 import pytest
 from torch.utils.data import DataLoader
 from torchdata.stateful_dataloader import StatefulDataLoader
 
+from actors.shard_writer import ShardWriter
 from hsx_store.export import read_exported, sample_path
-from hsx_store.format import Store
-from hsx_store.reader import COMPLETE, HiddenStatesIterable
+from hsx_store.format import Store, create_store
+from hsx_store.reader import COMPLETE, HiddenStatesDataset, HiddenStatesIterable, StoreReplaced
 from tests.helpers.exports import assert_same, export
 from tests.helpers.synthetic import (
+    NUM_AUX,
+    H,
     assert_sample_exact,
     finish_plan,
+    manifest,
     new_store,
     plan,
     planning_store,
@@ -222,3 +232,170 @@ def test_export_follow_waits_for_the_plan_then_follows_the_commits(tmp_path: Pat
         write_shard(store, k)
     exporting.join(60)
     assert result[0]["ended"] == COMPLETE and result[0]["files"] == len(ALL)
+
+
+# -- a store replaced at the same URL ------------------------------------------------------
+
+OTHER_LENGTHS = [3, 6, 2, 9, 4, 7]  # store B's plan: samples of its own, laid out otherwise
+
+
+def replace_store(path: Path, same_plan: bool) -> Store:
+    """Store A at `path` deleted and store B made there, every shard of it committed: the same
+    plan made again (a new store_id), or another plan (B's own samples "b<j>", every row of
+    sample j holding j + 1)."""
+    shutil.rmtree(path)
+    if same_plan:
+        store = new_store(path)
+        for k in range(len(store.shards)):
+            write_shard(store, k)
+        return store
+    rng = np.random.default_rng(7)
+    ids = [rng.integers(0, 1000, n).astype(np.int32) for n in OTHER_LENGTHS]
+    masks = [np.ones(n, np.uint8) for n in OTHER_LENGTHS]
+    store = create_store(path, manifest(), [f"b{j}" for j in range(len(ids))], ids, masks)
+    for shard in store.shards:
+        writer = ShardWriter(store, shard)
+        for j in range(shard.sample_begin, shard.sample_end):
+            n, bf16 = OTHER_LENGTHS[j], ml_dtypes.bfloat16
+            writer.write_sample(
+                j, np.full((n, NUM_AUX, H), j + 1, bf16), np.full((n, H), j + 1, bf16)
+            )
+        writer.commit({"worker": "b"})
+    return store
+
+
+def store_id(path: Path) -> str:
+    return str(Store.open(path).group.attrs["store_id"])
+
+
+@pytest.mark.parametrize("planned", [True, False], ids=["planned", "still-planning"])
+@pytest.mark.parametrize("same_plan", [False, True], ids=["another-plan", "same-plan"])
+def test_a_follower_whose_store_is_replaced_stops_naming_both_and_yields_nothing_of_it(
+    tmp_path: Path, planned: bool, same_plan: bool
+) -> None:
+    """Store A followed; its shard 0 read; A deleted and store B made at its URL, every shard
+    committed: the follower's next poll sees B's commits, and raises instead of reading them
+    with A's layout (or, B's plan the same, at all)."""
+    url = tmp_path / "s.zarr"
+    if planned:
+        store = new_store(url)
+    else:  # A's plan still streaming in: the poll re-reads the plan too
+        planning_store(url)
+        store = Store.open(url, mode="r+")
+    write_shard(store, 0)
+    a = store_id(url)
+    samples = iter(HiddenStatesIterable(str(url), follow=True, idle_timeout_s=5, **FAST))
+    for i in range(4):  # shard 0's samples, the poll not made yet
+        assert_sample_exact(next(samples), i, "bfloat16")
+    b = replace_store(url, same_plan).group.attrs["store_id"]
+    said = rf"{re.escape(str(url))}: store_id {a} when first read, store_id {b} there now"
+    with pytest.raises(StoreReplaced, match=said):
+        next(samples)
+
+
+def test_a_cursor_of_another_store_is_refused_naming_both(tmp_path: Path) -> None:
+    """A cursor saved reading store A, loaded into a reader of store B (the same plan: the
+    cursor would skip B's first samples unseen) is refused; into a copy of A (the same
+    store_id) it resumes. A cursor saved before cursors named their store is refused, saying
+    how to load it anyway, which then works."""
+    a_url, b_url, copy_url = (str(tmp_path / name) for name in ("a.zarr", "b.zarr", "c.zarr"))
+    for url in (a_url, b_url):
+        store = new_store(url)
+        for k in range(3):
+            write_shard(store, k)
+    a = HiddenStatesIterable(a_url)
+    before = ids(itertools.islice(iter(a), 6))
+    state = a.state_dict()
+    assert state["store_id"] == store_id(Path(a_url))
+
+    b = HiddenStatesIterable(b_url)
+    b_id = store_id(Path(b_url))
+    said = rf"store_id {state['store_id']}, not {re.escape(b_url)} \(store_id {b_id}\)"
+    with pytest.raises(ValueError, match=said):
+        b.load_state_dict(state)
+    assert ids(b) == ALL  # refused: nothing was loaded
+
+    shutil.copytree(a_url, copy_url)
+    copy = HiddenStatesIterable(copy_url)
+    copy.load_state_dict(state)
+    assert sorted(before + ids(copy)) == ALL
+
+    old = {k: v for k, v in state.items() if k != "store_id"} | {"version": 1}
+    resumed = HiddenStatesIterable(a_url)
+    with pytest.raises(ValueError, match=r"version 1 names no store") as refused:
+        resumed.load_state_dict(old)
+    assert f"'store_id': '{state['store_id']}'" in str(refused.value)
+    resumed.load_state_dict({**old, "version": 2, "store_id": resumed.store_id})
+    assert sorted(before + ids(resumed)) == ALL
+
+
+def test_a_reader_whose_store_is_replaced_before_it_reads_refuses_it(tmp_path: Path) -> None:
+    """Not following: a reader made on store A and read after B replaced it raises: the
+    iterable as its iteration starts, the random-access one in a copy pickled without its
+    store handle (as a DataLoader worker gets it), which opens the store afresh."""
+    url = tmp_path / "s.zarr"
+    store = new_store(url)
+    write_shard(store, 0)
+    here, copied = HiddenStatesIterable(str(url)), HiddenStatesDataset(str(url))
+    replace_store(url, same_plan=False)
+    with pytest.raises(StoreReplaced, match="store_id"):
+        next(iter(here))
+    with pytest.raises(StoreReplaced, match="store_id"):
+        pickle.loads(pickle.dumps(copied))[0]
+
+
+def test_a_long_read_checks_its_store_every_poll_s(tmp_path: Path) -> None:
+    """A reader in a long read (here one sample a block, the consumer slow) checks its store
+    every poll_s, not only between polls: B made meanwhile stops it at the next block."""
+    url = tmp_path / "s.zarr"
+    store = new_store(url)
+    for k in range(3):
+        write_shard(store, k)
+    samples = iter(HiddenStatesIterable(str(url), block_bytes=1, poll_s=0.2, max_poll_s=0.2))
+    assert_sample_exact(next(samples), 0, "bfloat16")
+    assert_sample_exact(next(samples), 1, "bfloat16")  # within poll_s: not checked
+    replace_store(url, same_plan=True)
+    time.sleep(0.2)
+    with pytest.raises(StoreReplaced, match="store_id"):
+        next(samples)
+
+
+@pytest.mark.parametrize(
+    "when,kept", [("export: note:", 0), ("4/4 samples", 4)], ids=["before-reading", "after-shard-0"]
+)
+def test_export_follow_stops_when_its_store_is_replaced_keeping_only_its_files(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, when: str, kept: int
+) -> None:
+    """Store A exported as it commits; store B replaces A once the export has opened A (its
+    notes said, its reader not made yet) or once shard 0's files are written (progress said
+    after each sample here): the export stops, naming both, with no file of B's."""
+    url, out = tmp_path / "s.zarr", tmp_path / "followed"
+    store = new_store(url)
+    write_shard(store, 0)
+    a, made = store_id(url), []
+    monkeypatch.setattr("hsx_store.export.PROGRESS_EVERY_S", 0.0)
+
+    def say(text: str) -> None:
+        if when in text and not made:
+            made.append(replace_store(url, same_plan=False).group.attrs["store_id"])
+
+    with pytest.raises(StoreReplaced, match=f"store_id {a} when first read") as stopped:
+        export(str(url), out, "specforge", follow=True, poll_s=0.02, idle_timeout_s=10, say=say)
+    assert f"store_id {made[0]} there now" in str(stopped.value)
+    assert sorted(p.name for p in out.rglob("*.ckpt")) == [f"data_{i}.ckpt" for i in range(kept)]
+    assert json.loads((out / "export.json").read_text())["store_id"] == a
+
+
+def test_export_follow_waiting_for_a_plan_stops_when_the_store_is_replaced(
+    tmp_path: Path,
+) -> None:
+    url, out = tmp_path / "s.zarr", tmp_path / "followed"
+    planning_store(url)
+    a, made = store_id(url), []
+
+    def say(text: str) -> None:  # said before the first poll of the plan
+        made.append(replace_store(url, same_plan=False).group.attrs["store_id"])
+
+    with pytest.raises(StoreReplaced, match=f"store_id {a} when first read") as stopped:
+        export(str(url), out, "speculators", follow=True, poll_s=0.02, say=say)
+    assert f"store_id {made[0]} there now" in str(stopped.value) and not out.exists()
