@@ -2,9 +2,10 @@
 
 run --config JOB.yaml [--set section.field=value ...] [--dry-run]
     the job's driver (the entrypoint of `ray job submit`); exit 0: every planned sample
-    written, 1: some failed or were not committed, 2: a bad config or a store of another job;
-    --dry-run checks the config, model files and inputs and plans the first parts, starting
-    and writing nothing (exit 2: a problem, named)
+    written, 1: some failed or were not committed, 2: a bad config, a store of another job,
+    a store location that cannot be used, or every row rejected; --dry-run checks the config,
+    model files, inputs and store location and plans the first parts, starting and writing
+    nothing (exit 2: a problem, named)
 verify --store URL [--model PATH --recompute N --logprobs N]
     check a store; exit 0: no problems, 1: problems, 2: not a readable store
 export --store URL --format {specforge,speculators} --out DIR [--allow-post-norm] [--follow]
@@ -65,7 +66,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     run.add_argument(
         "--dry-run",
         action="store_true",
-        help="check the config, model files and inputs and plan the first parts; start nothing",
+        help="check the config, model files, inputs and store location and plan the first "
+        "parts; start nothing",
     )
     run.add_argument("--model", help="model.path")
     run.add_argument("--data", nargs="+", help="data.paths")

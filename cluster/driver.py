@@ -2,7 +2,8 @@
 
     ray job submit ... -- python -m cluster run --config ray_configs/demo_job.yaml
 
-1. open_or_create: create the (empty) store, or resume it.
+1. open_or_create: resume the store, or create it (empty) once the job is known to plan a
+   sample.
 2. one ShardQueueActor with every shard not committed yet; while the plan is incomplete a
    PlanFeed thread streams planned shards into the store and the queue.
 3. one NodeWorker per server slot of every alive node advertising `worker.node_resource`

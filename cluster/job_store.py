@@ -7,16 +7,25 @@ every shard the store already holds (hsx_store/builder.py). It first proves that
 now is the job that made the store: same model (config, tokenizer and weights fingerprint),
 capture, chunking and plan inputs. Anything that differs is named and refused, because mixing
 two jobs' rows in one store would be silent corruption.
+
+A new store is made only once its job is known to plan a sample (planned in this process up to
+the first one): a job whose every row is rejected makes none, so a corrected config does not
+find a store of "a different job" at its URL. `find_store` makes every check of the location and
+of the job that needs no write (`run --dry-run` makes the same ones).
 """
 
 from __future__ import annotations
 
+import os
+import re
 import shutil
 import threading
+from collections import Counter
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import obstore.exceptions
 import zarr.errors
 
 from cluster.config import ConfigError, JobConfig
@@ -25,14 +34,23 @@ from cluster.plan import (
     PlanError,
     PlanStream,
     Reject,
+    Sample,
     chat_template_text,
     source_hashes,
 )
 from hsx_store.builder import StoreBuilder
 from hsx_store.format import Manifest, Shard, Store, StoreIncomplete, make_manifest, stored_arrays
 from hsx_store.layers import LayerIdsError, ModelConfigError, expected_capture
+from hsx_store.location import (
+    StoreAccessError,
+    describe_failure,
+    first_key,
+    is_remote,
+    open_location,
+)
 
 PROJECT_AFTER_PARTS = 8  # planned parts after which the storage estimate is projected
+SHOWN_REASONS = 10  # kinds of reject reason a "no usable samples" error lists
 
 # Manifest fields a resume may differ in: where the model lives is not what it is (its hashes),
 # and a schema-3 store (planned whole) takes the same rows as a schema-4 one.
@@ -133,23 +151,12 @@ def describe_plan(
 def open_or_create(config: JobConfig, say: Any = print) -> tuple[Store, bool, StoreBuilder | None]:
     """The job's store, whether it was resumed, and the builder to plan into it (None: its
     plan is complete). Only the empty store is made here: planning streams into it
-    (`plan_into`) while workers already capture, so a bad location still fails in seconds."""
-    url = config.store.url
-    if not Path(config.model.path).is_dir():
-        raise ConfigError(
-            f"invalid job config:\n  model.path: {config.model.path} is not a directory (a "
-            "local model: config.json, the tokenizer and the weights)"
-        )
-    interrupted = False
-    try:
-        store = Store.open(url, mode="r+", storage_options=config.store.storage_options)
-    except (FileNotFoundError, zarr.errors.GroupNotFoundError, zarr.errors.NodeTypeValidationError):
-        store = None
-    except StoreIncomplete:  # only a driver writes before `created`: nothing to keep
-        store, interrupted = None, True
-        say(f"{url}: an earlier creation was interrupted; creating the store anew")
-    if store is not None:
-        check_resume(store, config)
+    (`plan_into`) while workers already capture. Everything that can be refused without a
+    write is refused first (`find_store`), so a bad location still fails in seconds."""
+    url, options = config.store.url, config.store.storage_options
+    found, interrupted = find_store(config)
+    if found is not None:
+        store = Store.open(url, mode="r+", storage_options=options)  # found read-only
         if not store.planned:
             say(
                 f"resume: {url} was being planned ({len(store.shards)} shards so far); planning "
@@ -162,17 +169,110 @@ def open_or_create(config: JobConfig, say: Any = print) -> tuple[Store, bool, St
             f"{done}/{len(store.shards)} shards committed; re-using its plan"
         )
         return store, True, None
+    if interrupted:  # only a driver writes before `created`: nothing to keep
+        say(f"{url}: an earlier creation was interrupted; creating the store anew")
+    check_plans_a_sample(config)
     template = chat_template_text(config.data, config.model.path, config.model.trust_remote_code)
     manifest = manifest_for(config, template)
-    builder = StoreBuilder.create(
-        url,
-        manifest,
-        job=job_spec(config, source_hashes(config.data)),
-        overwrite=interrupted,
-        storage_options=config.store.storage_options,
-    )
+    try:
+        builder = StoreBuilder.create(
+            url,
+            manifest,
+            job=job_spec(config, source_hashes(config.data)),
+            overwrite=interrupted,
+            storage_options=options,
+        )
+    except (OSError, obstore.exceptions.BaseError) as exc:  # e.g. a key that may list, not PUT
+        raise StoreAccessError(describe_failure(url, exc, options)) from None
     say(describe_capture(manifest, url))
     return builder.store, False, builder
+
+
+def find_store(config: JobConfig) -> tuple[Store | None, bool]:
+    """The job's store at `store.url`, opened read-only and proven to be this job's
+    (ResumeConflict names every difference), or None where a new one is to be made, with
+    whether an earlier creation was interrupted there (it is made anew). Writes nothing and
+    needs no Ray: `run` refuses here, in seconds, what `run --dry-run` reports."""
+    if not Path(config.model.path).is_dir():
+        raise ConfigError(
+            f"invalid job config:\n  model.path: {config.model.path} is not a directory (a "
+            "local model: config.json, the tokenizer and the weights)"
+        )
+    store, interrupted = probe_location(config.store.url, config.store.storage_options)
+    if store is not None:
+        check_resume(store, config)
+    return store, interrupted
+
+
+def probe_location(url: str, options: dict[str, Any]) -> tuple[Store | None, bool]:
+    """The store at `url` opened read-only, or None where a new one can be made, with whether
+    an earlier creation was interrupted there. Raises StoreAccessError naming the URL and why
+    it cannot take a store: a file, a local directory this process may not write in, a
+    location holding something else, refused credentials; StoreFormatError for a Zarr group
+    that is not a store. Object storage cannot tell a key that may list but not PUT without a
+    write: that one is refused when the store is made."""
+    if not is_remote(url):
+        check_local_location(Path(url.removeprefix("file://")), url)
+    try:
+        return Store.open(url, mode="r", storage_options=options), False
+    except (FileNotFoundError, zarr.errors.GroupNotFoundError, zarr.errors.NodeTypeValidationError):
+        pass
+    except StoreIncomplete:
+        return None, True
+    try:
+        existing = first_key(open_location(url, options, read_only=True))
+    except obstore.exceptions.BaseError as exc:
+        raise StoreAccessError(describe_failure(url, exc, options)) from None
+    if existing is not None:  # as StoreBuilder.create refuses it, before any planning here
+        raise StoreAccessError(
+            f"{url}: not empty (it holds {existing!r}): a new store needs an empty location"
+        )
+    return None, False
+
+
+def check_local_location(path: Path, url: str) -> None:
+    """A local store is a directory: `path`, or the folders made for it under its nearest
+    existing ancestor, which this process must be able to write in."""
+    existing = next(p for p in [path, *path.parents] if p.exists())
+    if not existing.is_dir():
+        what = "it" if existing == path else str(existing)
+        raise StoreAccessError(f"{url}: {what} is a file; a store is a directory")
+    if not os.access(existing, os.W_OK | os.X_OK):  # a read-only mount or an immutable folder too
+        raise StoreAccessError(f"{url}: {existing} is not writable by this process")
+
+
+def check_plans_a_sample(config: JobConfig) -> None:
+    """Plan in this process up to the job's first accepted sample (the first part, most often):
+    raises the PlanError of `no_usable_samples` where every row is rejected."""
+    stream = PlanStream(
+        config.data, config.model.path, config.model.trust_remote_code, 0, config.generate
+    )
+    rejected: list[dict[str, str]] = []
+    for item in stream:
+        if isinstance(item, Sample):
+            return
+        if isinstance(item, Reject):
+            rejected.append(item.to_json())
+    raise no_usable_samples(rejected, "rows")
+
+
+def no_usable_samples(rejected: list[dict[str, str]], what: str) -> PlanError:
+    """The error of a job whose every row (`what`) was rejected, with its reasons: grouped by
+    kind (the reason with its numbers left out), the commonest first, each with its count and
+    its first row's id and reason."""
+    kinds: Counter[str] = Counter()
+    first: dict[str, dict[str, str]] = {}
+    for r in rejected:
+        kind = re.sub(r"\d+", "#", r["reason"])
+        kinds[kind] += 1
+        first.setdefault(kind, r)
+    lines = [f"no usable samples: all {len(rejected)} {what} were rejected"]
+    for kind, count in kinds.most_common(SHOWN_REASONS):
+        lines.append(f"  {count} x, first {first[kind]['sample_id']}: {first[kind]['reason']}")
+    if len(kinds) > SHOWN_REASONS:
+        rest = sum(count for _, count in kinds.most_common()[SHOWN_REASONS:])
+        lines.append(f"  ... and {rest} more, of {len(kinds) - SHOWN_REASONS} other kinds")
+    return PlanError("\n".join(lines))
 
 
 def plan_into(
@@ -214,7 +314,7 @@ def plan_into(
         if shards:
             on_shards(shards)
     if not stream.accepted:
-        raise PlanError(f"no usable samples: all {len(rejected)} rows were rejected")
+        raise no_usable_samples(rejected, "rows")
     if shards := builder.finish(rejected):
         on_shards(shards)
     where = f" on {len(stream.nodes)} node(s)" if stream.nodes else " in the driver"

@@ -12,9 +12,10 @@ import yaml
 from cluster import plan_sources
 from cluster.__main__ import main as cli_main
 from cluster.config import parse_config
-from cluster.job_store import ResumeConflict, open_or_create, plan_into
+from cluster.job_store import ResumeConflict, no_usable_samples, open_or_create, plan_into
 from hsx_store.format import Store
 from tests.helpers.jobs import expected_ids, job_config
+from tests.helpers.locked import locked_folder
 from tests.helpers.models import fine_tuned_copy
 from tests.helpers.prompts import write_prompts
 
@@ -121,3 +122,59 @@ def test_another_jobs_config_is_refused_naming_every_field_before_ray_starts(
     err = capsys.readouterr().err
     assert "refusing to resume" in err
     assert "layer_ids" in err and "samples_per_shard" in err
+
+
+def test_run_refuses_a_file_or_a_folder_no_one_may_write_in_at_store_url_with_exit_2(
+    deepseek_path: Path, tmp_path: Path, capsys: pytest.CaptureFixture
+) -> None:
+    write_prompts(tmp_path / "prompts.jsonl", 3)
+    raw = job_config(deepseek_path, tmp_path / "prompts.jsonl", tmp_path / "s.zarr", tmp_path)
+    (tmp_path / "job.yaml").write_text(yaml.safe_dump(raw))
+    run = ["run", "--config", str(tmp_path / "job.yaml"), "--store"]
+    file = tmp_path / "file.zarr"
+    file.write_text("not a store")
+    assert cli_main([*run, str(file)]) == 2
+    assert f"error: {file}: it is a file; a store is a directory" in capsys.readouterr().err
+    assert file.read_text() == "not a store"
+    with locked_folder(tmp_path / "locked") as locked:
+        assert cli_main([*run, str(locked / "s.zarr")]) == 2
+        assert f"{locked / 's.zarr'}: {locked} is not writable" in capsys.readouterr().err
+
+
+def test_a_job_whose_every_row_is_rejected_makes_no_store_and_says_why(
+    deepseek_path: Path, tmp_path: Path, capsys: pytest.CaptureFixture
+) -> None:
+    """No prompt leaves room for max_new_tokens: `run` exits 2 naming each kind of reason, with
+    no store made (Ray is never started: this tier refuses it), so the corrected config is not
+    refused as another job's."""
+    write_prompts(tmp_path / "prompts.jsonl", 5)
+    url = tmp_path / "s.zarr"
+    raw = job_config(deepseek_path, tmp_path / "prompts.jsonl", url, tmp_path)
+    raw["generate"] = {"max_new_tokens": 250}
+    (tmp_path / "job.yaml").write_text(yaml.safe_dump(raw))
+    assert cli_main(["run", "--config", str(tmp_path / "job.yaml")]) == 2
+    err = capsys.readouterr().err
+    assert "error: no usable samples: all 5 rows were rejected\n  5 x, first chat-0: no room" in err
+    assert "(max_new_tokens 250 + 1 end-of-turn) > max_length 256" in err
+    assert not url.exists()
+
+    raw["generate"]["max_new_tokens"] = 16
+    store, resumed, builder = open_or_create(parse_config(raw), say=lambda _: None)
+    assert not resumed and builder is not None and store.num_samples == 0
+
+
+def test_no_usable_samples_lists_each_kind_of_reason_commonest_first() -> None:
+    lengths = (300, 412, 999)
+    rejected = [
+        {"sample_id": f"long-{n}", "reason": f"{n} tokens > max_length 256"} for n in lengths
+    ]
+    rejected.insert(1, {"sample_id": "empty", "reason": "empty text"})
+    assert str(no_usable_samples(rejected, "rows")) == (
+        "no usable samples: all 4 rows were rejected\n"
+        "  3 x, first long-300: 300 tokens > max_length 256\n"
+        "  1 x, first empty: empty text"
+    )
+    many = [{"sample_id": str(k), "reason": f"reason {'x' * k}"} for k in range(12)]
+    assert str(no_usable_samples(many, "rows")).endswith(
+        "\n  1 x, first 9: reason xxxxxxxxx\n  ... and 2 more, of 2 other kinds"
+    )
