@@ -53,7 +53,9 @@ class HeldFolder:
 
     def list_shm_files(self, paths: list[Path]) -> None:
         """Record /dev/shm files to remove with this folder should this process die first."""
-        with open(self.path / SHM_LIST, "a") as f:
+        # 0600 like every file we write in /dev/shm, whatever the umask
+        fd = os.open(self.path / SHM_LIST, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+        with os.fdopen(fd, "a") as f:
             f.writelines(f"{p}\n" for p in paths)
 
     def release(self, remove: bool = True) -> None:

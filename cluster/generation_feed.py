@@ -31,8 +31,9 @@ import numpy as np
 import ray
 
 from cluster.config import JobConfig
-from cluster.job_store import describe_plan
+from cluster.job_store import describe_plan, no_usable_samples
 from cluster.plan import PartEnd, PlanError, PlanStream, Reject, Sample
+from cluster.report import covered_seconds
 from hsx_store.builder import StoreBuilder
 from hsx_store.format import Shard
 from hsx_store.generated import GeneratedParts, closed_turn
@@ -62,12 +63,14 @@ class GenerationStats:
     reused_parts: int = 0  # parts whose responses a former run left (not generated again)
     responses: int = 0
     generated_tokens: int = 0
-    generate_seconds: float = 0.0  # the workers' wall time generating, summed over parts
+    # Each generated part's wall-clock [start, end], any worker's: the rate is over their union.
+    generate_spans: list[tuple[float, float]] = field(default_factory=list)
     finish_reasons: Counter[str] = field(default_factory=Counter)
     rejected: int = 0
 
     def to_json(self) -> dict[str, Any]:
-        rate = self.generated_tokens / self.generate_seconds if self.generate_seconds else None
+        seconds = covered_seconds(self.generate_spans)
+        rate = self.generated_tokens / seconds if seconds else None
         return {
             "prompts": self.prompts,
             "parts": self.parts,
@@ -234,7 +237,7 @@ def generate_into(
     if stop is not None and stop.is_set():
         return
     if not accepted:
-        raise PlanError(f"no usable samples: all {len(rejected)} rows or responses were rejected")
+        raise no_usable_samples(rejected, "rows or responses")
     if shards := builder.finish(rejected):
         on_shards(shards)
     say(
@@ -254,4 +257,6 @@ def _count(stats: GenerationStats, record: dict[str, Any]) -> None:
             stats.responses += 1
             stats.generated_tokens += len(turn["output_ids"])
             stats.finish_reasons[turn["finish_reason"]] += 1
-    stats.generate_seconds += float(record.get("seconds", 0.0))
+    if "started_at" in record:  # a part given up has no responses, and no times
+        start = float(record["started_at"])
+        stats.generate_spans.append((start, start + float(record["seconds"])))

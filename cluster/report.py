@@ -7,8 +7,10 @@ reader gets, and a resumed job reports on every shard, whichever run committed i
 from __future__ import annotations
 
 import datetime
+import math
 import time
 from collections import defaultdict
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -18,6 +20,17 @@ from hsx_store.format import STATUS_WRITTEN, Store
 
 if TYPE_CHECKING:  # the feed imports this module's users
     from cluster.generation_feed import GenerationStats
+
+
+def covered_seconds(spans: Iterable[tuple[float, float]]) -> float:
+    """The wall time during which at least one of the [start, end] spans ran (their union):
+    spans that overlap, parts generated at once by one worker or by many, count once."""
+    total, reach = 0.0, -math.inf
+    for start, end in sorted(spans):
+        if end > reach:
+            total += end - max(start, reach)
+            reach = end
+    return total
 
 
 def _duration(seconds: float) -> str:
@@ -146,6 +159,8 @@ def build_report(store: Store, run: dict[str, Any]) -> dict[str, Any]:
             "planning": run.get("planning"),  # None: the plan was complete before this run
         },
         "workers": dict(workers),
+        # PUTs object storage answered 503 SlowDown, retried (actors/shard_writer.py counts them)
+        "throttled_requests": sum(s.get("throttled_requests", 0) for s in summaries.values()),
         "failed_samples": failed,
         "rejected": rejected,
     }
@@ -173,6 +188,7 @@ def format_report(report: dict[str, Any]) -> str:
         ("this run tok/s", run["tokens_per_s"]),
         ("this run GB/s", run["gb_per_s"]),
         ("workers lost", len(run["workers_lost"])),
+        ("throttled requests", f"{report['throttled_requests']} (503 SlowDown, retried)"),
     ]
     if generation := (run["planning"] or {}).get("generation"):
         reasons = ", ".join(f"{k} {v}" for k, v in sorted(generation["finish_reasons"].items()))

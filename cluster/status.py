@@ -6,7 +6,7 @@ It reads the store alone: the plan, the commit markers and the shard summaries (
 each small per-shard array a look), never the hidden states. Rates come from the summaries'
 wall-clock commit times, so they are the job's, whichever machine asks.
 
-exit 0: the job is complete; 1: not (yet); 2: not a readable store
+exit 0: the job is complete; 1: not (yet); 2: not a readable store, or a bad command line
 """
 
 from __future__ import annotations
@@ -129,6 +129,18 @@ def format_status(status: Mapping[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def positive_seconds(text: str) -> float:
+    """An argparse type: a finite number of seconds above 0 (argparse exits 2 naming the
+    option otherwise)."""
+    try:
+        seconds = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected seconds, got {text!r}") from None
+    if not 0 < seconds < float("inf"):
+        raise argparse.ArgumentTypeError(f"expected seconds above 0, got {text}")
+    return seconds
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="python -m cluster status",
@@ -139,7 +151,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument(
         "--follow", action="store_true", help="print it again every --interval s until it ends"
     )
-    parser.add_argument("--interval", type=float, default=10.0, help="seconds (with --follow)")
+    parser.add_argument(
+        "--interval", type=positive_seconds, default=10.0, help="seconds (with --follow)"
+    )
     parser.add_argument("--json", action="store_true", help="print JSON, one object a look")
     args = parser.parse_args(sys.argv[1:] if argv is None else list(argv))
     while True:

@@ -40,7 +40,7 @@ from hsx_store.format import FINAL_STATE_ARRAYS, Manifest, Store, StoreFormatErr
 from hsx_store.fp8 import FP8_DTYPE, scale_name
 from hsx_store.layers import model_config, requested_layer_ids
 from hsx_store.location import StoreAccessError
-from hsx_store.reader import COMPLETE, HiddenStatesIterable
+from hsx_store.reader import COMPLETE, HiddenStatesIterable, bound_attributes, check_same_store
 
 Format = Literal["specforge", "speculators"]
 FORMATS: tuple[str, ...] = ("specforge", "speculators")
@@ -138,6 +138,7 @@ def export(
             max_poll_s=max(poll_s, 10.0),
             idle_timeout_s=idle_timeout_s,
         )
+        check_same_store(url, doc["store_id"], reader.store_id)  # made again since it opened
         visible = reader.sample_indices
         exported = skipped = written = 0
         made: set[Path] = set()  # directories written into, fsynced at the end
@@ -192,11 +193,18 @@ def export(
 
 def _wait_for_the_plan(url: str, store: Store, poll_s: float, say: Callable[[str], Any]) -> None:
     """Wait, polling, until the store's plan is complete (the file names and speculators'
-    dataset follow the whole plan)."""
+    dataset follow the whole plan). StoreReplaced if another store is made at `url` meanwhile
+    (each refresh reads the group's attributes afresh)."""
     say(f"export: {url} is still being planned ({store.num_samples} samples so far): waiting")
+    bound = store.group.attrs.get("store_id")
     while not store.planned:
         time.sleep(poll_s)
-        store.refresh()
+        try:
+            store.refresh()
+        except Exception as exc:  # another store's plan misread: say that, if so
+            bound_attributes(url, store.group.store, bound, exc)
+            raise
+        check_same_store(url, bound, store.group.attrs.get("store_id"))  # read afresh by refresh
 
 
 def read_exported(out_dir: str | Path, fmt: Format, sample_index: int) -> dict[str, Any]:

@@ -30,7 +30,13 @@ import zarr
 from zarr.codecs import ZstdCodec
 
 from hsx_store.fp8 import FP8_ATTR, FP8_DTYPE, scale_name
-from hsx_store.location import StoreAccessError, describe_failure, first_key, open_location
+from hsx_store.location import (
+    StoreAccessError,
+    describe_failure,
+    first_key,
+    mask_secrets,
+    open_location,
+)
 from hsx_store.model_identity import model_identity
 
 # 2: the `created` marker and `shard_plan_sha256`; 3: `weights_fingerprint`; 4: a plan streamed
@@ -123,8 +129,24 @@ def open_group(
         except zarr.errors.GroupNotFoundError:
             first_key(location)
             raise
+        except (ValueError, TypeError) as exc:  # what zarr raises on a zarr.json it cannot parse
+            raise damaged_metadata(str(url), exc, storage_options) from None
     except obstore.exceptions.BaseError as exc:
         raise StoreAccessError(describe_failure(url, exc, storage_options)) from None
+
+
+def damaged_metadata(
+    node: str, exc: Exception, storage_options: Mapping[str, Any] | None = None
+) -> StoreFormatError:
+    """The error for a node (the store, or one of its arrays) whose zarr.json zarr cannot
+    read: not JSON, or not the metadata of a Zarr v3 node of its kind."""
+    return StoreFormatError(
+        mask_secrets(
+            f"{node}/zarr.json is damaged: zarr cannot read it as Zarr v3 metadata "
+            f"({type(exc).__name__}: {exc})",
+            storage_options,
+        )
+    )
 
 
 @dataclass(frozen=True)
@@ -492,7 +514,10 @@ class Store:
         """The group's array `name`, opened once per handle: opening reads its metadata (an
         object GET, or a file read), which changes only while the plan grows (`refresh`)."""
         if name not in self._arrays:
-            self._arrays[name] = self.group[name]
+            try:
+                self._arrays[name] = self.group[name]
+            except (ValueError, TypeError) as exc:
+                raise damaged_metadata(f"{self.group.store}/{name}", exc) from None
         return self._arrays[name]
 
     @property

@@ -206,7 +206,10 @@ class PendingDump:
             k: {"shape": list(shape), "dtype": str(dtype).removeprefix("torch.")}
             for k, (shape, dtype) in self.specs.items()
         }
-        (self.tmp / "meta.json").write_text(json.dumps(meta))
+        # 0600 like the tensors, also where the process's umask would let others read it
+        fd = os.open(self.tmp / "meta.json", os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "w") as f:
+            f.write(json.dumps(meta))
         if self._region is not None:
             self._writer._published(self._region, self.path / "tensors.safetensors")
         os.rename(self.tmp, self.path)

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
-from cluster.report import ProgressMeter, build_report, format_report
+import re
+
+from cluster.generation_feed import GenerationStats, _count
+from cluster.report import ProgressMeter, build_report, covered_seconds, format_report
 from tests.helpers.synthetic import new_store, write_shard
 
 
@@ -60,3 +63,40 @@ def test_the_report_counts_failed_uncommitted_and_rejected_samples(tmp_path) -> 
     text = format_report(report)
     assert "INCOMPLETE OR FAILED SAMPLES" in text and "failed s5-é: token ids differ" in text
     assert "rejected bad: too long" in text and "shard 2 given up: w2: worker died" in text
+
+
+def part(started_at: float, seconds: float, tokens: int) -> dict:
+    """A generated part's record, as a worker writes it (actors/generator.py), one response."""
+    turn = {"output_ids": [7] * tokens, "finish_reason": "stop"}
+    return {"samples": [{"turns": [turn]}], "started_at": started_at, "seconds": seconds}
+
+
+def test_generated_tok_s_is_over_the_wall_time_some_part_was_generating(tmp_path) -> None:
+    """Parts generated at once count their wall time once: a worker runs the next part's
+    requests while the last ones of the part before finish, and workers run side by side."""
+    stats = GenerationStats()
+    t0 = 1_700_000_000.0
+    records = [
+        part(t0 - 3600, 100, 300),  # kept from an earlier run: the hour between is no generation
+        part(t0, 90, 500),  # worker 1's parts, overlapping
+        part(t0 + 80, 90, 500),
+        part(t0 + 10, 60, 508),  # worker 2, at the same time
+        part(t0 + 200, 10, 500),  # after a pause: 170 s to 200 s generated nothing
+        {"samples": [{"sample_id": "x", "error": "given up"}]},  # a given-up part: no times
+    ]
+    for record in records:
+        _count(stats, record)
+    # 100 s + [0, 170] + [200, 210]: 280 s; summing each part's time would say 350 s.
+    assert covered_seconds(stats.generate_spans) == 280
+    generation = stats.to_json()
+    assert generation["generated_tokens"] == 2308
+    assert generation["generated_tokens_per_s"] == round(2308 / 280, 1)  # not 2308 / 350
+    store = new_store(tmp_path / "s.zarr")
+    text = format_report(build_report(store, {"planning": {"generation": generation}}))
+    assert re.search(r"^generated tok/s +8\.2$", text, re.MULTILINE), text
+
+
+def test_covered_seconds_counts_each_instant_once() -> None:
+    assert covered_seconds([]) == 0
+    assert covered_seconds([(5, 9), (0, 2), (1, 3), (2.5, 4), (6, 7)]) == 8  # [0, 4] + [5, 9]
+    assert covered_seconds([(0, 10), (2, 3)]) == 10  # one inside another

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from cluster.report import build_report
-from cluster.status import RECENT_S, job_status, main
+from cluster.status import RECENT_S, job_status, main, positive_seconds
 from hsx_store.format import Store
 from tests.helpers.reports import assert_status_is_report
 from tests.helpers.synthetic import new_store, plan, write_shard
@@ -80,3 +80,37 @@ def test_status_of_no_store_exits_2_naming_it(
 ) -> None:
     assert main(["--store", str(tmp_path / "nothing.zarr")]) == 2
     assert f"no store at {tmp_path / 'nothing.zarr'}" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    "node,text",
+    [
+        ("", "{not json"),
+        ("", '{"zarr_format": 3, "node_type": "group", "attributes": 5}'),
+        ("shard_summary", ""),
+    ],
+)
+def test_status_of_a_store_with_a_damaged_zarr_json_exits_2_naming_it(
+    tmp_path: Path, capsys: pytest.CaptureFixture, node: str, text: str
+) -> None:
+    url = str(tmp_path / "s.zarr")
+    new_store(url)
+    assert main(["--store", url]) == 1  # intact: read, and not complete
+    capsys.readouterr()
+    (Path(url) / node / "zarr.json").write_text(text)
+    assert main(["--store", url]) == 2
+    err = capsys.readouterr().err
+    assert f"{Path(url, node)}/zarr.json is damaged" in err and "Traceback" not in err
+
+
+@pytest.mark.parametrize("interval", ["-1", "0", "nan", "soon"])
+def test_a_follow_interval_that_is_not_positive_seconds_exits_2_naming_it(
+    tmp_path: Path, capsys: pytest.CaptureFixture, interval: str
+) -> None:
+    url = str(tmp_path / "s.zarr")
+    new_store(url)
+    with pytest.raises(SystemExit) as exit:
+        main(["--store", url, "--follow", "--interval", interval])
+    assert exit.value.code == 2
+    assert "argument --interval: expected seconds" in capsys.readouterr().err
+    assert positive_seconds("0.5") == 0.5

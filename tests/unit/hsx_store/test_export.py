@@ -306,6 +306,17 @@ def test_cli_exits_0_on_success_1_on_errors_2_without_a_store(
     assert "does not exist" in capsys.readouterr().err
 
 
+def test_cli_exits_2_naming_a_store_whose_zarr_json_is_damaged(
+    tmp_path: Path, store_url: tuple[str, list[int]], capsys: pytest.CaptureFixture
+) -> None:
+    url, _ = store_url
+    (Path(url) / "zarr.json").write_text('{"attributes": ')
+    out = tmp_path / "out"
+    assert main(["--store", url, "--format", "specforge", "--out", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert f"{url}/zarr.json is damaged: zarr cannot read it" in err and not out.exists()
+
+
 def test_specforge_layer_ids_follow_the_model_family(deepseek_path: Path, llama_path: Path) -> None:
     """SpecForge is told the ids SGLang is asked for: Llama adds 1, DeepSeek takes them as given."""
     from hsx_store.export import _specforge_layers
