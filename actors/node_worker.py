@@ -492,7 +492,7 @@ class NodeWorker:
                 raise
         if not ray.get(self.queue.complete.remote(lease.lease_id, summary)):
             return {**summary, **self._lease_lost(lease, "the queue refused the completion")}
-        self.metrics.shards.inc()
+        self.metrics.record_shard(summary)
         return summary
 
     def _lease_lost(self, lease: Lease, cause: object) -> dict[str, Any]:

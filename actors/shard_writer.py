@@ -41,7 +41,7 @@ from hsx_store.format import (
     stored_arrays,
 )
 from hsx_store.fp8 import FP8_DTYPE, Fp8Rows, quantize_into
-from hsx_store.location import SinglePutObjectStore
+from hsx_store.location import SinglePutObjectStore, ThrottleTally
 
 
 def _raw(x: np.ndarray | torch.Tensor | Fp8Rows, dtype: str, what: str) -> np.ndarray:
@@ -290,7 +290,8 @@ class ShardWriter:
     write_sample/mark_failed/commit raise LeaseLost. With `spill_dir` (a deferred lease) chunks
     go to local files first and reach the store only after `commit` has claimed the shard.
     `bytes_written` counts the sample payload bytes written (uncompressed, padding excluded);
-    `seconds` the time callers spent blocked in this writer.
+    `seconds` the time callers spent blocked in this writer; `throttled` the throttled answers
+    (503 SlowDown) its chunk and sample_status PUTs were retried after (hsx_store/location.py).
     """
 
     def __init__(
@@ -311,6 +312,7 @@ class ShardWriter:
         if spill_dir is not None:
             spill_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
         self.bytes_written, self.seconds, self.chunk_seconds = 0, 0.0, 0.0
+        self.throttled = ThrottleTally()
         # write_empty_chunks: skip zarr's all-zero scan of every chunk (it runs on zarr's one
         # event-loop thread, ~0.7 GB/s here, and serialised all writes); a rewrite then also
         # replaces every chunk of the range, all-zero ones included.
@@ -431,8 +433,9 @@ class ShardWriter:
         }
         # One fenced block per store request: the time fence bounds each write by the margin
         # (cluster/shard_queue.py), so a block must not chain several.
-        with self.fence.writing():
+        with self.fence.writing(), self.throttled.counting():
             array("sample_status")[sh.sample_begin : sh.sample_end] = self._status
+        stored["throttled_requests"] = self.throttled.count  # so far: not this PUT's, the marker's
         with self.fence.writing():
             array("shard_summary")[sh.index] = json.dumps(stored)
         with self.fence.writing():
@@ -541,7 +544,7 @@ class ShardWriter:
                 np.memmap(self._spill_path(k, j), dtype, "r", shape=shape)
                 for j, (shape, dtype) in enumerate(self._layout)
             )
-            with self.fence.writing():
+            with self.fence.writing(), self.throttled.counting():
                 self._store_chunk(k, [_Piece(0, rows, None)])
 
     def _drop_spill(self) -> None:
@@ -627,7 +630,7 @@ class ShardWriter:
                     _write_file(self._spill_path(k, j), chunk.parts(j), mode=0o600)
                 self._spilled.add(k)
             else:
-                with self.fence.writing():
+                with self.fence.writing(), self.throttled.counting():
                     buffers = self._store_chunk(k, pieces, buffers)
             if buffers is not None:
                 _BUFFERS.put(buffers)

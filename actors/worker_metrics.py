@@ -6,6 +6,8 @@ stage takes per sample: the request (prefill + dump publish), verification, the 
 
 from __future__ import annotations
 
+from typing import Any
+
 from ray.util.metrics import Counter, Histogram
 
 _STAGE_BOUNDARIES = [0.001, 0.005, 0.02, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60]
@@ -26,6 +28,10 @@ class WorkerMetrics:
         self.failed = counter("hsx_failed_samples_total", "samples recorded as failed")
         self.restarts = counter("hsx_server_restarts_total", "SGLang server restarts")
         self.shards = counter("hsx_shards_total", "shards committed")
+        self.throttled = counter(
+            "hsx_throttled_requests_total",
+            "store PUTs the store throttled (503 SlowDown), retried, of committed shards",
+        )
         self.stage_seconds = Histogram(
             "hsx_stage_seconds",
             description="seconds per sample in each stage",
@@ -40,6 +46,12 @@ class WorkerMetrics:
 
     def record_verify(self, seconds: float) -> None:
         self.stage_seconds.observe(seconds, tags={"stage": "verify"})
+
+    def record_shard(self, summary: dict[str, Any]) -> None:
+        """A committed shard, as its stored summary tells (actors/shard_writer.py)."""
+        self.shards.inc()
+        if throttled := summary.get("throttled_requests", 0):
+            self.throttled.inc(throttled)
 
     def record_write(self, seconds: float, nbytes: int) -> None:
         self.samples.inc()

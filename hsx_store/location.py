@@ -8,20 +8,34 @@ from the environment (`AWS_ENDPOINT_URL`, `AWS_REGION`, `AWS_ACCESS_KEY_ID`,
 `AWS_SECRET_ACCESS_KEY`, ...) or from `storage_options` (obstore's config keys, plus
 `client_options` and `retry_config`).
 
+PUTs are retried here, not by obstore (whose retries would hide them): S3 answers `503
+SlowDown` to a prefix's requests above its rate, and such an answer is retried with backoff for
+as long as `retry_timeout` allows, however many, and counted (`ThrottleTally`); any other
+failure obstore would retry gets `max_retries` retries in the same time. Reads keep obstore's
+own retries. Throttling at scale: docs/design/object-storage.md.
+
 Secrets are never part of a URL here and never printed: every error names the URL alone, with any
 secret value that reaches a message replaced by `***`.
 """
 
 from __future__ import annotations
 
+import asyncio
 import datetime
 import os
+import random
 import re
-from collections.abc import Mapping
+import threading
+import time
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
+from contextvars import ContextVar
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import obstore
+import obstore.exceptions
 from zarr.abc.store import Store as ZarrStore
 from zarr.core.buffer import Buffer
 from zarr.core.sync import sync
@@ -44,6 +58,12 @@ CLIENT_DURATIONS = (
 )
 BACKOFF_DURATIONS = ("init_backoff", "max_backoff")
 OBSTORE_MAX_BACKOFF = datetime.timedelta(seconds=15)  # obstore's default where none is set
+OBSTORE_INIT_BACKOFF = datetime.timedelta(milliseconds=100)
+# How a failed request reads in obstore's errors: an HTTP status, or none reached (the
+# connection refused, reset or timed out).
+_STATUS = re.compile(r"non-2xx status code: (\d{3})")
+_NO_ANSWER = "HTTP error"
+THROTTLED_STATUSES = (503, 429)  # S3's SlowDown; 429 where other stores throttle
 _DURATION_UNITS = {"ms": 1e-3, "s": 1.0, "sec": 1.0, "m": 60.0, "min": 60.0, "h": 3600.0}
 # What names a secret, in obstore's option keys (S3, Azure, GCS: aws_session_token,
 # azure_storage_account_key, azure_storage_sas_key, azure_client_secret, google_service_account_key,
@@ -61,20 +81,145 @@ def is_remote(url: str | Path) -> bool:
     return "://" in str(url) and not str(url).startswith("file://")
 
 
+@dataclass(frozen=True)
+class PutRetry:
+    """How a PUT is retried: a throttled answer as long as `timeout_s` allows; another failure
+    obstore would retry (a 5xx, no answer) `max_retries` times in that time. The backoff
+    before retry n (n from 0, whatever failed) is uniform in [0, min(max_backoff_s,
+    init_backoff_s * base ** n)) ("full jitter": writers throttled together do not come back
+    together). The last retry starts by timeout_s + max_backoff_s, as obstore's own would
+    (cluster/config.py store_write_bound_s)."""
+
+    max_retries: int
+    timeout_s: float
+    init_backoff_s: float
+    max_backoff_s: float
+    base: float
+
+    @classmethod
+    def of(cls, retry: Mapping[str, Any]) -> PutRetry:
+        """From a retry_config as obstore_options returns it."""
+        backoff = retry["backoff"]
+        return cls(
+            max_retries=retry["max_retries"],
+            timeout_s=retry["retry_timeout"].total_seconds(),
+            init_backoff_s=backoff.get("init_backoff", OBSTORE_INIT_BACKOFF).total_seconds(),
+            max_backoff_s=backoff.get("max_backoff", OBSTORE_MAX_BACKOFF).total_seconds(),
+            base=backoff.get("base", 2),
+        )
+
+
+def failed_status(exc: BaseException) -> int | None:
+    """The HTTP status of a failed obstore request; 0 where no answer came; None where it
+    failed otherwise."""
+    if not isinstance(exc, obstore.exceptions.BaseError):
+        return None
+    text = str(exc)
+    if status := _STATUS.search(text):
+        return int(status[1])
+    return 0 if _NO_ANSWER in text else None
+
+
+class ThrottleTally:
+    """Counts the throttled answers met by the PUTs made while `counting()`: on the thread that
+    entered it, and those zarr makes for that thread's writes (its event loop runs them in the
+    caller's context)."""
+
+    def __init__(self) -> None:
+        self.count = 0
+        self._lock = threading.Lock()
+
+    @contextmanager
+    def counting(self) -> Iterator[ThrottleTally]:
+        token = _TALLY.set(self)
+        try:
+            yield self
+        finally:
+            _TALLY.reset(token)
+
+    def add(self, n: int) -> None:
+        with self._lock:
+            self.count += n
+
+
+_TALLY: ContextVar[ThrottleTally | None] = ContextVar("throttle_tally", default=None)
+
+
+class _PutAttempts:
+    """One PUT's attempts: after each failure, how long to wait before the next, or raise."""
+
+    def __init__(self, policy: PutRetry) -> None:
+        self.policy, self.started = policy, time.monotonic()
+        self.throttled = self.other_retries = 0
+
+    def wait_after(self, exc: BaseException) -> float:
+        status, p = failed_status(exc), self.policy
+        elapsed = time.monotonic() - self.started
+        throttled = status in THROTTLED_STATUSES
+        if throttled:
+            self.throttled += 1
+        elif status is None or 0 < status < 500 or self.other_retries >= p.max_retries:
+            raise exc  # not retryable (refused, not found, ...), or retried enough
+        if elapsed >= p.timeout_s:
+            if self.throttled:
+                exc.add_note(
+                    f"{self.throttled} throttled answers (503 SlowDown or 429) retried over "
+                    f"{elapsed:.1f} s; retry_config.retry_timeout is {p.timeout_s:g} s"
+                )
+            raise exc
+        self.other_retries += not throttled
+        retries = self.throttled + self.other_retries  # the backoff grows with each
+        return random.uniform(0, min(p.max_backoff_s, p.init_backoff_s * p.base ** (retries - 1)))
+
+    def tally(self) -> None:
+        """Count this PUT's throttled answers, retried or not, where a tally is counting."""
+        if self.throttled and (tally := _TALLY.get()) is not None:
+            tally.add(self.throttled)
+
+
 class SinglePutObjectStore(ObjectStore):
     """zarr's ObjectStore with one PUT per chunk: its default multipart upload turns each chunk
-    over 5 MiB into 5 requests (measured against moto), and a single PUT is atomic."""
+    over 5 MiB into 5 requests (measured against moto), and a single PUT is atomic. PUTs go
+    through `puts` (the same location, obstore retrying nothing) and are retried by `retry`;
+    the throttled answers they meet count in the ThrottleTally counting then, if any."""
+
+    def __init__(self, store: Any, *, read_only: bool = False, puts: Any, retry: PutRetry) -> None:
+        super().__init__(store, read_only=read_only)
+        self.puts, self.retry = puts, retry
+
+    def with_read_only(self, read_only: bool = False) -> SinglePutObjectStore:
+        return type(self)(self.store, read_only=read_only, puts=self.puts, retry=self.retry)
 
     async def set(self, key: str, value: Buffer) -> None:
         self._check_writable()
-        await obstore.put_async(self.store, key, value.as_buffer_like(), use_multipart=False)
+        attempts = _PutAttempts(self.retry)
+        try:
+            while True:
+                try:
+                    await obstore.put_async(
+                        self.puts, key, value.as_buffer_like(), use_multipart=False
+                    )
+                    break
+                except Exception as exc:
+                    await asyncio.sleep(attempts.wait_after(exc))
+        finally:
+            attempts.tally()
 
     def put_parts(self, key: str, parts: list[memoryview]) -> None:
         """One PUT of the parts' bytes, in order, as the object at `key` (relative to the store's
         root, as zarr's keys are): for a writer that has an object's bytes in pieces, without
         joining them in Python first (obstore takes the pieces as they are)."""
         self._check_writable()
-        obstore.put(self.store, key, parts, use_multipart=False)
+        attempts = _PutAttempts(self.retry)
+        try:
+            while True:
+                try:
+                    obstore.put(self.puts, key, parts, use_multipart=False)
+                    break
+                except Exception as exc:
+                    time.sleep(attempts.wait_after(exc))
+        finally:
+            attempts.tally()
 
 
 def _endpoint(options: Mapping[str, Any]) -> str:
@@ -94,12 +239,13 @@ def open_location(
     if _endpoint(options).startswith("http://"):  # the user chose a plain-HTTP endpoint
         client.setdefault("allow_http", True)
     try:
-        backend = obstore.store.from_url(
-            str(url), client_options=client, retry_config=retry, **options
+        backend, puts = (
+            obstore.store.from_url(str(url), client_options=client, retry_config=r, **options)
+            for r in (retry, {**retry, "max_retries": 0})  # reads; PUTs, retried by PutRetry
         )
     except Exception as exc:
         raise StoreAccessError(describe_failure(url, exc, storage_options)) from None
-    return SinglePutObjectStore(backend, read_only=read_only)
+    return SinglePutObjectStore(backend, read_only=read_only, puts=puts, retry=PutRetry.of(retry))
 
 
 def obstore_options(storage_options: Mapping[str, Any]) -> tuple[dict, dict, dict]:

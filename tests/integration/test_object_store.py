@@ -12,9 +12,12 @@ import sys
 import threading
 import time
 import uuid
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import Any
 
 import numpy as np
+import obstore.exceptions
 import pytest
 import zarr
 from torch.utils.data import DataLoader
@@ -22,15 +25,24 @@ from torch.utils.data import DataLoader
 from actors.lease_keeper import LeaseLost
 from actors.ports import free_port
 from actors.shard_writer import ShardWriter
+from cluster.__main__ import main
+from cluster.config import parse_config
+from cluster.driver import Driver
+from cluster.job_store import open_or_create, plan_into
 from cluster.shard_queue import ShardQueue
 from hsx_store.export import FORMATS
 from hsx_store.format import Store
 from hsx_store.integrity import verify_store
-from hsx_store.location import SinglePutObjectStore, StoreAccessError, open_location
+from hsx_store.location import (
+    SinglePutObjectStore,
+    StoreAccessError,
+    ThrottleTally,
+    open_location,
+)
 from hsx_store.object_rows import _ChunkSource
 from hsx_store.reader import HiddenStatesDataset, HiddenStatesIterable, token_arrays
 from tests.helpers.exports import assert_same, export, exported_files
-from tests.helpers.jobs import job_config
+from tests.helpers.jobs import assert_exactly_once, assert_store_matches_reference, job_config
 from tests.helpers.prompts import write_prompts
 from tests.helpers.reports import errors
 from tests.helpers.synthetic import (
@@ -44,6 +56,7 @@ from tests.helpers.synthetic import (
     sample_bits,
 )
 from tools.s3_server import S3Server
+from tools.throttling_proxy import ThrottlingProxy
 
 
 def fresh_url(s3: S3Server) -> tuple[str, str]:
@@ -270,6 +283,46 @@ def test_every_command_exits_2_on_an_unusable_location_naming_the_url_without_se
     assert s3.keys() == before  # nothing written anywhere
 
 
+def test_dry_run_finds_an_s3_store_as_run_would_and_puts_nothing(
+    s3: S3Server,
+    deepseek_path: Path,
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """With the node's `AWS_*` settings: a fresh prefix takes a new store, the job's own store
+    on S3 is resumed (exit 0); another job's store, and a wrong secret, are each a problem
+    naming the URL and why, never the secret (exit 2)."""
+    write_prompts(tmp_path / "prompts.jsonl", 3)
+    url, prefix = fresh_url(s3)
+    raw = job_config(deepseek_path, tmp_path / "prompts.jsonl", url, tmp_path)
+    raw["queue"]["lease_s"] = 300  # beyond the margin object storage needs (its write bound)
+    (tmp_path / "job.yaml").write_text(json.dumps(raw))  # JSON is YAML
+    for name, value in s3.environment.items():
+        monkeypatch.setenv(name, value)
+    dry_run = ["run", "--config", str(tmp_path / "job.yaml"), "--dry-run"]
+    assert main(dry_run) == 0
+    assert f"store: none at {url} yet: `run` makes it there" in capsys.readouterr().out
+    assert s3.keys(prefix) == []
+
+    config = parse_config(raw)
+    _, _, builder = open_or_create(config, say=lambda _: None)
+    plan_into(builder, config, 0, lambda shards: None)
+    before = s3.keys()
+    assert main(dry_run) == 0
+    assert f"store: {url} is this job's, 0/1 shards committed" in capsys.readouterr().out
+    assert main([*dry_run, "--set", "store.samples_per_shard=2"]) == 2
+    out = capsys.readouterr().out
+    assert f"problem: store.url: {url} was made by a different job" in out
+    assert "samples_per_shard: store 3 != config 2" in out
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", f"wrong-{s3.secret_access_key}")
+    assert main(dry_run) == 2
+    out = capsys.readouterr().out
+    assert f"problem: store.url: {url}: " in out and "SignatureDoesNotMatch" in out
+    assert s3.secret_access_key not in out
+    assert s3.keys() == before
+
+
 @pytest.mark.parametrize("codec", ["none", "zstd"])
 def test_remote_reads_equal_local_reads_lost_and_never_written_chunks_included(
     s3: S3Server, tmp_path: Path, codec: str
@@ -340,3 +393,104 @@ def test_remote_chunks_are_fetched_once_each_ahead_of_the_consumer_within_the_bu
     assert sorted(fetched) == sorted(
         (name, k) for name in token_arrays(store.manifest) for k in touched
     )
+
+
+# -- throttling: S3's 503 SlowDown above a prefix's request rate -------------------------------
+
+WRITE_RATE = 10  # PUTs a second the throttling endpoint passes per prefix
+
+
+def through(proxy: ThrottlingProxy, s3: S3Server, **retry: Any) -> dict[str, Any]:
+    """Storage options for the S3 server behind `proxy`: throttled PUTs retried for up to 30 s,
+    backing off at most 1 s (retry_config overridden by `retry`)."""
+    backoff = {"init_backoff": "50ms", "max_backoff": "1s"}
+    return {
+        **s3.options,
+        "endpoint": proxy.endpoint,
+        "retry_config": {"retry_timeout": "30s", "backoff": backoff, **retry},
+    }
+
+
+def test_throttled_puts_are_retried_until_each_lands_once_and_are_counted(s3: S3Server) -> None:
+    prefix = f"{uuid.uuid4().hex}/t"
+    objects = {f"o{i}": np.random.default_rng(i).bytes(4096) for i in range(40)}
+    tally = ThrottleTally()
+    with ThrottlingProxy(s3.endpoint, write_rate=WRITE_RATE) as proxy:
+        location = open_location(s3.url(prefix), through(proxy, s3))
+
+        def put(key: str) -> None:  # on a pool thread: the tally counts there too
+            with tally.counting():
+                location.put_parts(key, [memoryview(objects[key])])
+
+        with ThreadPoolExecutor(4) as pool:
+            list(pool.map(put, objects))
+        with tally.counting():  # zarr's own PUTs (metadata, chunks), on its event loop
+            array = zarr.create_array(location, name="a", shape=(20,), chunks=(1,), dtype="uint8")
+            array[:] = np.arange(1, 21, dtype="uint8")  # no chunk of fill values: all PUTs
+    assert proxy.throttled["PUT"] > 0
+    assert tally.count == proxy.throttled["PUT"]  # each SlowDown answer retried and counted
+    # Every object once, as written: each PUT the server got made one object, none twice.
+    keys = s3.keys(prefix)
+    assert proxy.passed["PUT"] == len(keys) == len(set(keys)) == len(objects) + 20 + 2
+    client = s3.client()
+    for key, data in objects.items():
+        got = client.get_object(Bucket=s3.bucket, Key=f"{prefix}/{key}")["Body"].read()
+        assert got == data, key
+    assert (
+        zarr.open_array(open_location(s3.url(prefix), s3.options), path="a")[:] == range(1, 21)
+    ).all()
+    # The clients kept the endpoint near its rate while they were throttled.
+    rate = proxy.write_rate_while_throttling()
+    assert 0.5 * WRITE_RATE < rate <= 1.1 * WRITE_RATE, rate
+
+
+def test_a_throttled_put_not_retried_fails_naming_slow_down_and_its_object_is_missing(
+    s3: S3Server,
+) -> None:
+    """What the test above would catch: with no time to retry (retry_timeout 0), the first
+    SlowDown answer fails the PUT, and the object is not there."""
+    prefix = f"{uuid.uuid4().hex}/t"
+    failed: dict[str, BaseException] = {}
+    with ThrottlingProxy(s3.endpoint, write_rate=WRITE_RATE) as proxy:
+        location = open_location(s3.url(prefix), through(proxy, s3, retry_timeout=0))
+        for i in range(2 * WRITE_RATE):
+            try:
+                location.put_parts(f"o{i}", [memoryview(b"x" * 100)])
+            except obstore.exceptions.GenericError as exc:
+                failed[f"o{i}"] = exc
+    assert len(failed) == proxy.throttled["PUT"] > 0
+    error = next(iter(failed.values()))
+    assert "503 Service Unavailable" in str(error) and "<Code>SlowDown</Code>" in str(error)
+    assert error.__notes__ == [
+        "1 throttled answers (503 SlowDown or 429) retried over 0.0 s; "
+        "retry_config.retry_timeout is 0 s"
+    ]
+    stored = {key.rsplit("/", 1)[1] for key in s3.keys(prefix)}
+    assert stored == {f"o{i}" for i in range(2 * WRITE_RATE)} - set(failed)
+
+
+def test_a_job_through_a_throttling_endpoint_stores_every_sample_once_and_counts_the_throttling(
+    ray_nodes: Any, s3: S3Server, deepseek_path: Path, tmp_path: Path
+) -> None:
+    """Two workers (one a node) and the driver write through an endpoint passing WRITE_RATE
+    PUTs a second to the store's prefix: the job completes, each sample stored once with the
+    HF reference's rows, and the report counts the throttled PUTs of the shards."""
+    rows = write_prompts(tmp_path / "prompts.jsonl", 12)
+    url = s3.url(f"{tmp_path.name}/throttled.zarr")
+    log: list[str] = []
+    with ThrottlingProxy(s3.endpoint, write_rate=WRITE_RATE) as proxy:
+        raw = job_config(deepseek_path, tmp_path / "prompts.jsonl", url, tmp_path)
+        options = through(proxy, s3)
+        options["client_options"] = {"timeout": "10s"}  # write bound 30 + 1 + 10 s: margin 56
+        raw["store"]["storage_options"] = options
+        raw["queue"]["lease_s"] = 120
+        assert Driver(parse_config(raw), say=log.append).run() == 0, "\n".join(log)[-6000:]
+    store = Store.open(url, storage_options=s3.options)
+    assert_exactly_once(store, rows, deepseek_path)
+    assert_store_matches_reference(store, deepseek_path, list(range(len(store.shards))))
+    report = store.group.attrs["report"]
+    shards = [store.summary(k)["throttled_requests"] for k in range(len(store.shards))]
+    assert report["throttled_requests"] == sum(shards) > 0
+    # The driver's PUTs, the summaries' and the markers' are throttled too, but not in the report.
+    assert sum(shards) <= proxy.throttled["PUT"]
+    assert f"throttled requests     {sum(shards)} (503 SlowDown, retried)" in "\n".join(log)
