@@ -35,6 +35,7 @@ from hsx_store.format import (
     Manifest,
     Shard,
     Store,
+    StoreFormatError,
     layout,
     manifest_fields,
     open_group,
@@ -159,8 +160,9 @@ def relative(x: float) -> str:
 
 def describe_recompute(result: dict[str, Any]) -> str:
     """One recomputed sample: per hidden array, the stored rows' distance from the nearer fresh
-    recompute, the noise (alone vs batched recompute), the bound, and the distance from the
-    recompute of the nearest other sample (largest per-row relative RMS each)."""
+    recompute, the noise (its own alone vs batched recompute, and pooled over the samples
+    checked), the bound, and the distance from the recompute of the nearest other sample
+    (largest per-row relative RMS each)."""
     parts = []
     for name, f in result["arrays"].items():
         other = (
@@ -170,7 +172,7 @@ def describe_recompute(result: dict[str, Any]) -> str:
         )
         parts.append(
             f"{name.split('_')[0]} {relative(f['distance'])} (noise {relative(f['noise'])}, "
-            f"bound {relative(f['bound'])}){other}"
+            f"all {relative(f['pooled_noise'])}, bound {relative(f['bound'])}){other}"
         )
     verdict = "ok" if result["ok"] else "FAIL"
     return f"sample {result['sample']} ({result['sample_id']}): {', '.join(parts)}: {verdict}"
@@ -281,7 +283,8 @@ def open_store(
     try:
         group = open_group(url, "r", storage_options)
         attrs = group.attrs.asdict()
-    except StoreAccessError as exc:  # no bucket, refused credentials, no endpoint
+    # no bucket, refused credentials, no endpoint; a damaged zarr.json (both name the store)
+    except (StoreAccessError, StoreFormatError) as exc:
         problems = [str(exc)]
     except Exception as exc:  # a missing path, unparseable zarr.json, not a group, ...
         problems = [

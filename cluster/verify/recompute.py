@@ -2,11 +2,12 @@
 prompts, on the patched server shared with the logprob check (cluster/verify/server.py).
 
 Each chosen sample is prefilled alone and inside a batch of the others. Per sample and hidden
-array the statistic is the largest per-row relative RMS difference. The alone-vs-batched spread
-is the noise; the stored rows must be within `NOISE_MULTIPLE` x max(noise, `NOISE_FLOOR`) of the
-nearer recompute, and `CROSS_MARGIN` times further from any other checked sample's recompute
-where their contexts differ. Every finding names the sample, the array, both figures and the
-bound. The bounds' measurements are in the comments next to the constants.
+array the statistic is the largest per-row relative RMS difference (each row against its own
+norm, so a massive-activation row neither sets it nor hides the others). The alone-vs-batched
+spread is the noise; the stored rows must be within the bound of recompute_bound.py (a multiple
+of the noise measured across all the samples checked) of the nearer recompute, and
+`CROSS_MARGIN` times further from any other checked sample's recompute where their contexts
+differ. Every finding names the sample, the array, both figures and the bound.
 
 Design: docs/design/verify.md.
 """
@@ -22,6 +23,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from cluster.verify.model_check import ModelCheck
+from cluster.verify.recompute_bound import NOISE_FLOOR, Bound, pooled_noise
 from hsx_store.fp8 import FP8_DTYPE, dequantize, scale_name
 from hsx_store.integrity import describe_recompute, relative
 
@@ -30,26 +32,6 @@ if TYPE_CHECKING:  # torch is imported where a recompute needs it: plain checks 
 
     from actors.sglang_server import SGLangServer
 
-# Bounds of the recompute check, from figures measured on llama-tiny in bf16 on CPU (the bf16
-# job of tests/integration/test_verify_model_checks.py, three runs: 8 prompts of 3..48 tokens,
-# `--chunked-prefill-size 16`). Without chunked prefill, alone and batched recomputes were
-# bit-identical (prompts of 3..141 tokens, llama-tiny and llama-bench); with it a batch moves
-# the chunk boundaries: alone vs batched 0.33%..1.20% where they moved, 0 where not (which
-# samples, varied run to run). The job's rows against the nearer recompute: 0..1.16%, up to
-# 2.9 x the noise where it was small, 0.79%..1.16% where the recomputes agreed bit for bit
-# (the job batched those otherwise), so at
-# most 1.16 x max(noise, 1%). Wrong rows: 50% (scaled by 1.5), 100%..153% (shifted by a token,
-# another sample's); another sample's recompute >= 118% from correct rows.
-# So a multiple of 4 (3.4 x the worst ratio seen) and, in bf16, a floor of 1% (~2.5 roundings
-# of the 8-bit significand): the bound is >= 4%, 12 x below the nearest wrong rows. float32
-# (deepseek-v3-tiny, the float32 job): alone vs batched 0..6.1e-7, the job's rows 0..1.6e-7
-# from the nearer recompute; its floor of 1e-5 is 16 x that noise and 10 x what float32
-# serving differs from HF float32 by (<= 1.0e-6 relative RMS, tests/helpers/hf_reference.py).
-NOISE_MULTIPLE = 4.0
-# fp8_e4m3 stores hold bf16 rows rounded to e4m3: their worst row is 3.1% from the bf16 one
-# (benchmarks/fp8_fidelity.py on captured rows), on top of bf16's 1.16%: a floor of 2% (a bound
-# of 8%, still 6 x below the nearest wrong rows' 50%).
-NOISE_FLOOR = {"bfloat16": 1e-2, "float32": 1e-5, FP8_DTYPE: 2e-2}
 # Cross-sample: another sample's recompute must be this many times further than the own one
 # (the margin tests/integration/test_capture_server.py asks of the HF reference).
 CROSS_MARGIN = 10.0
@@ -147,9 +129,13 @@ class RecomputeCheck(ModelCheck):
                     return
         if not alone:
             return
-        for i, batched in self.batched(server, list(alone)):
-            results.append(self.judge(i, alone[i], batched))
-        results.sort(key=lambda r: r["sample"])  # they arrive as the batch completes
+        batches = self.batched(server, list(alone))
+        measured = {i: self.measure(i, alone[i], batched) for i, batched in batches}
+        pooled = {
+            name: pooled_noise(m[name]["noise"] for m in measured.values()) for name in self.arrays
+        }
+        for i in sorted(measured):  # they arrive as the batch completes
+            results.append(self.judge(i, measured[i], pooled, len(measured)))
         self.cross_check(alone, {r["sample"]: r for r in results})
         for result in results:
             self.say(f"recompute {describe_recompute(result)}")
@@ -170,26 +156,34 @@ class RecomputeCheck(ModelCheck):
                 except Exception as exc:
                     self.failed(i, "batched", exc)
 
-    def judge(self, i: int, alone: Rows, batched: Rows) -> dict[str, Any]:
-        """The stored rows against the nearer recompute, within a multiple of their spread."""
-        floor = NOISE_FLOOR[self.store.manifest.dtype]
-        figures: dict[str, dict[str, float]] = {}
-        stored, ok = self.stored(i), True
+    def measure(self, i: int, alone: Rows, batched: Rows) -> dict[str, dict[str, float]]:
+        """Per hidden array, the noise (alone vs batched) and how far the stored rows are from the
+        nearer recompute, at which token."""
+        stored, figures = self.stored(i), {}
         for name in self.arrays:
             noise, _ = largest(row_distances(batched[name], alone[name]))
             distance, token = min(
                 largest(row_distances(stored[name], fresh[name])) for fresh in (alone, batched)
-            )  # NaN compares as neither smaller nor larger: a NaN row fails below either way
-            bound = NOISE_MULTIPLE * max(noise, floor)
-            figures[name] = {"distance": distance, "token": token, "noise": noise, "bound": bound}
-            if not distance <= bound:  # NaN fails too
+            )  # NaN compares as neither smaller nor larger: a NaN row fails the bound either way
+            figures[name] = {"distance": distance, "token": token, "noise": noise}
+        return figures
+
+    def judge(
+        self, i: int, figures: dict[str, dict[str, float]], pooled: dict[str, float], samples: int
+    ) -> dict[str, Any]:
+        """The stored rows against the nearer recompute, within a multiple of the noise of every
+        checked sample (recompute_bound.py)."""
+        floor, ok = NOISE_FLOOR[self.store.manifest.dtype], True
+        for name, f in figures.items():
+            bound = Bound(f["noise"], pooled[name], samples, floor)
+            f.update(pooled_noise=bound.pooled, bound=bound.value)
+            if not bound.admits(f["distance"]):
                 ok = False
                 self.report.error(
                     "recompute",
                     f"sample {self.label(i)}: {name} differs from a fresh recompute by "
-                    f"{relative(distance)} (largest per-row relative RMS, token {token}); alone "
-                    f"vs batched recompute {relative(noise)}; bound {relative(bound)} = "
-                    f"{NOISE_MULTIPLE:g} x max(that, floor {floor:.0e})",
+                    f"{relative(f['distance'])} (largest per-row relative RMS, token "
+                    f"{int(f['token'])}); {bound.explain()}",
                 )
         sample_id = str(self.store.group["sample_id"][i])
         return {"sample": i, "sample_id": sample_id, "arrays": figures, "ok": ok}

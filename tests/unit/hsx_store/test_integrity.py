@@ -195,7 +195,7 @@ def test_a_store_of_the_previous_schema_still_verifies(tmp_path: Path) -> None:
 def test_unreadable_zarr_json_and_a_missing_store_exit_2(tmp_path: Path) -> None:
     path = build_store(tmp_path / "s.zarr")
     (path / "zarr.json").write_text('{"attributes": ')
-    assert "cannot open as a Zarr v3 group" in errors(verify(path))[0]
+    assert f"{path}/zarr.json is damaged: zarr cannot read it" in errors(verify(path))[0]
     assert main(["--store", str(path)]) == 2
     assert main(["--store", str(tmp_path / "nothing.zarr")]) == 2
 
