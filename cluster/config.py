@@ -18,7 +18,7 @@ import yaml
 from pydantic import Field, ValidationError, model_validator
 
 from actors.config import Section, WorkerJobConfig
-from cluster.model_limits import model_problems
+from cluster.model_limits import fit_to_model
 from hsx_store.location import OBSTORE_MAX_BACKOFF, duration_s, is_remote, obstore_options
 
 
@@ -49,7 +49,8 @@ class DataConfig(Section):
     every token."""
     max_length: int = Field(4096, ge=1)
     """Longer prompts are rejected, never truncated. At most what one request to the model's
-    server takes (its context length less 7: see Rules)."""
+    server takes (its context length less 7: see Rules); left unset, 4096 or that, whichever is
+    less."""
 
 
 def store_write_bound_s(storage_options: dict[str, Any]) -> float:
@@ -236,7 +237,8 @@ def parse_config(raw: Any) -> JobConfig:
             f"  {'.'.join(map(str, e['loc'])) or '(top level)'}: {e['msg']}" for e in exc.errors()
         ]
         raise ConfigError("invalid job config:\n" + "\n".join(lines)) from None
-    if problems := model_problems(config):
+    config, problems = fit_to_model(config)
+    if problems:
         raise ConfigError("invalid job config:\n" + "\n".join(f"  {p}" for p in problems))
     return config
 

@@ -1,7 +1,10 @@
 """The job config held to its model when the config is read, before a store, Ray or a server
 exists: the aux layers SGLang would capture, and the longest request its server takes.
 
-    problems = model_problems(config)   # ["data.max_length: ...", ...]; [] when everything fits
+    config, problems = fit_to_model(config)   # problems: ["data.max_length: ...", ...]
+
+A `data.max_length` left at its default is lowered to the longest request where that is less
+(a model of 4096 tokens of context takes 4089); one given explicitly is refused instead.
 
 Only a readable config.json is held to here: a missing or broken one is named by the checks
 that need it (the store's manifest, cluster/job_store.py; `run --dry-run`).
@@ -9,6 +12,7 @@ that need it (the store's manifest, cluster/job_store.py; `run --dry-run`).
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -33,6 +37,9 @@ CONTEXT_LENGTH_KEYS = (
 )
 TEXT_CONFIG_KEYS = ("llm_config", "language_config", "text_config")
 SGLANG_DEFAULT_CONTEXT = 2048
+# SGLang refuses to start with a --context-length above the model's own unless this is set
+# (configs/model_config.py); the driver can only see its own environment, the nodes' as set alike.
+SGLANG_LONGER_CONTEXT_ENV = "SGLANG_ALLOW_OVERWRITE_LONGER_CONTEXT_LEN"
 
 
 def text_config(config: dict[str, Any]) -> dict[str, Any]:
@@ -88,6 +95,12 @@ def longest_input(config: JobConfig, model: dict[str, Any]) -> tuple[int, str] |
     if given is not None:
         if not given.isdigit():
             return f"server.extra_args: --context-length {given!r} is not a number of tokens"
+        if int(given) > context and not os.environ.get(SGLANG_LONGER_CONTEXT_ENV):
+            return (
+                f"server.extra_args: --context-length {given} is more than the model's "
+                f"{context} ({source}): SGLang refuses to start so unless "
+                f"{SGLANG_LONGER_CONTEXT_ENV}=1 is set (on the nodes and for the driver)"
+            )
         context, source = int(given), "--context-length in server.extra_args"
     limits = [(context, f"context length {context}, {source}")]
     if config.server.max_total_tokens is not None:
@@ -97,8 +110,10 @@ def longest_input(config: JobConfig, model: dict[str, Any]) -> tuple[int, str] |
     return size - SGLANG_INPUT_MARGIN, f"{why}, less the {SGLANG_INPUT_MARGIN} SGLang keeps"
 
 
-def model_problems(config: JobConfig) -> list[str]:
-    """What of `config` the model's server would refuse or get wrong, one line per field."""
+def fit_to_model(config: JobConfig) -> tuple[JobConfig, list[str]]:
+    """`config` with a default `data.max_length` lowered to the longest request the model's
+    server takes, where that is less; and what of it the server would refuse or get wrong, one
+    line per field."""
     # Imported here: hsx_store.layers brings torch (patches/dump_files.py), which the modules
     # that import cluster.config (the planners among them) need not pay for.
     from hsx_store.layers import LayerIdsError, ModelConfigError, model_config, resolve_layer_ids
@@ -106,7 +121,7 @@ def model_problems(config: JobConfig) -> list[str]:
     try:
         model = model_config(Path(config.model.path))
     except ModelConfigError:
-        return []
+        return config, []
     problems = []
     try:
         resolve_layer_ids(model, config.model.aux_layer_ids)
@@ -116,8 +131,11 @@ def model_problems(config: JobConfig) -> list[str]:
         pass  # no layer count: named with model.path where the capture is sized
     limit = longest_input(config, model)
     if isinstance(limit, str):
-        return [*problems, limit]
+        return config, [*problems, limit]
     most, why = limit
+    if config.data.max_length > most and "max_length" not in config.data.model_fields_set:
+        data = config.data.model_copy(update={"max_length": most})
+        config = config.model_copy(update={"data": data})
     if config.data.max_length > most:
         problems.append(
             f"data.max_length: {config.data.max_length} tokens is more than the model's server "
@@ -128,4 +146,4 @@ def model_problems(config: JobConfig) -> list[str]:
             f"generate.max_new_tokens: {config.generate.max_new_tokens} leaves no room for a "
             f"prompt in the {most} tokens the model's server takes in one request ({why})"
         )
-    return problems
+    return config, problems

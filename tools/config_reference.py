@@ -70,9 +70,12 @@ A job is one YAML file with the sections below, run with
   `max_position_embeddings`, times a RoPE scaling factor; `--context-length` in
   `server.extra_args` where set), or `server.max_total_tokens` where smaller, less the 7
   tokens SGLang 0.5.23 keeps (it refuses longer inputs with HTTP 400); `generate.max_new_tokens`
-  must leave room for a prompt in it. Example: `data.max_length: 4096 tokens is more than the
+  must leave room for a prompt in it. Left unset, `data.max_length` is lowered to that where
+  its default is more; given, it is refused: `data.max_length: 8192 tokens is more than the
   model's server takes in one request, 4089 (context length 4096, config.json
-  max_position_embeddings, less the 7 SGLang keeps)`.
+  max_position_embeddings, less the 7 SGLang keeps)`. A `--context-length` above the model's
+  own is refused unless `SGLANG_ALLOW_OVERWRITE_LONGER_CONTEXT_LEN` is set (SGLang would not
+  start).
 - `store.dtype: fp8_e4m3` needs `model.dtype: bfloat16` (it quantizes a bf16 capture).
 - `server.extra_args` must not hold `--tp-size`, `--tensor-parallel-size`, `--dp-size` or
   `--data-parallel-size`: set `server.tp_size` and `server.dp_size`, which placement uses.

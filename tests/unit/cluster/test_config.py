@@ -315,7 +315,10 @@ def test_empty_stop_strings_are_refused_naming_the_field(tmp_path: Path) -> None
 
 
 def test_max_length_and_max_new_tokens_are_held_to_what_the_models_server_takes(
-    llama_path: Path, tmp_path: Path, capsys: pytest.CaptureFixture
+    llama_path: Path,
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture,
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """Before: never checked, and with max_length over the context every request got HTTP 400
     and every sample was rejected. One request to SGLang holds at most the context length less
@@ -327,6 +330,11 @@ def test_max_length_and_max_new_tokens_are_held_to_what_the_models_server_takes(
         return parse_config({**raw, **sections})
 
     assert config(4089).data.max_length == 4089
+    # Left at its default (4096), it is lowered to the model's limit; given, it is refused.
+    unset = job(llama_path, tmp_path, [0, 2, 4])
+    del unset["data"]["max_length"]
+    assert parse_config(unset).data.max_length == 4089
+    assert parse_config({**unset, "server": {"max_total_tokens": 512}}).data.max_length == 505
     with pytest.raises(
         ConfigError,
         match=r"data\.max_length: 4090 tokens is more than the model's server takes in one "
@@ -341,6 +349,13 @@ def test_max_length_and_max_new_tokens_are_held_to_what_the_models_server_takes(
             config(506, server={"extra_args": args})
     with pytest.raises(ConfigError, match=r", 505 \(KV cache of server\.max_total_tokens 512,"):
         config(4089, server={"max_total_tokens": 512})
+    # Above the model's own: SGLang would refuse to start, unless told to allow it.
+    longer = {"extra_args": ["--context-length", "8192"]}
+    with pytest.raises(ConfigError, match=r"--context-length 8192 is more than the model's 4096"):
+        config(256, server=longer)
+    monkeypatch.setenv("SGLANG_ALLOW_OVERWRITE_LONGER_CONTEXT_LEN", "1")
+    assert config(8185, server=longer).data.max_length == 8185
+    monkeypatch.delenv("SGLANG_ALLOW_OVERWRITE_LONGER_CONTEXT_LEN")
     with pytest.raises(ConfigError, match=r"server\.extra_args: --context-length 'lots' is not"):
         config(256, server={"extra_args": ["--context-length", "lots"]})
     assert config(4089, generate={"max_new_tokens": 4088}).generate.max_new_tokens == 4088
