@@ -10,8 +10,9 @@ A sample is a dict of `sample_id`, `input_ids`, `loss_mask`, `aux_hidden_states`
 bf16 unless `fp8="raw"`. The visible samples are a snapshot taken when the reader is built. The
 store is opened lazily in each process (on object storage: not in a forked worker). Chunks are
 read ahead of the consumer: local files by hsx_store/file_rows.py, remote objects by
-hsx_store/object_rows.py. A reader is bound to the store it was built on (its `store_id`): one
-that finds another store at its URL raises `StoreReplaced` rather than read it with its layout.
+hsx_store/object_rows.py. A reader is bound to the store it was built on (its `store_id`): rows
+read are handed out only once the store is confirmed still there after their read (`confirm`),
+so one that finds another store at its URL raises `StoreReplaced` rather than yield its rows.
 
 Every key, shape and dtype: docs/using-the-data.md.
 """
@@ -23,13 +24,17 @@ import logging
 import os
 import time
 from collections.abc import Iterable, Iterator, Mapping
+from pathlib import Path
 from typing import Any, Literal
 
 import numpy as np
+import obstore
+import obstore.exceptions
 import torch
 import zarr
 from torch.utils.data import Dataset, IterableDataset, get_worker_info
 from zarr.abc.store import Store as ZarrStore
+from zarr.storage import LocalStore, ObjectStore
 
 from hsx_store import file_rows, object_rows
 from hsx_store.file_rows import FileRows
@@ -90,6 +95,25 @@ def bound_attributes(
     return attrs
 
 
+Fingerprint = tuple[Any, ...] | None
+
+
+def fingerprint(location: ZarrStore) -> Fingerprint:
+    """What changes whenever the store's `zarr.json` is written, without reading it: a local
+    file's inode, mtime and size (zarr writes it to a new file and renames that over it), an
+    object's ETag (a hash of its bytes) and size, by one HEAD. None: no zarr.json there."""
+    try:
+        if isinstance(location, LocalStore):
+            st = (Path(location.root) / "zarr.json").stat()
+            return st.st_ino, st.st_mtime_ns, st.st_size
+        if isinstance(location, ObjectStore):
+            meta = obstore.head(location.store, "zarr.json")
+            return meta["e_tag"], meta["size"]
+    except (FileNotFoundError, obstore.exceptions.NotFoundError):
+        return None
+    raise TypeError(f"no fingerprint of a {type(location).__name__}")
+
+
 def token_arrays(manifest: Manifest) -> list[str]:
     """The store's token-major arrays: the plan's, the hidden ones and an FP8 store's scales."""
     return [*PLAN_ARRAYS, *(a.name for a in stored_arrays(manifest))]
@@ -98,8 +122,8 @@ def token_arrays(manifest: Manifest) -> list[str]:
 class _StoreView:
     """What both readers share: the committed shards seen so far, their samples' ids and
     status, and a per-process store handle. `refresh()` catches up with later commits. Bound
-    to the store it opened first (`store_id`): every handle opened later, and every refresh,
-    checks that the URL still holds it."""
+    to the store it opened first (`store_id`): every handle opened later, every refresh, and
+    every read before its rows are handed out (`confirm`) checks that the URL still holds it."""
 
     def __init__(
         self,
@@ -116,6 +140,7 @@ class _StoreView:
         store = Store.open(self.url, storage_options=storage_options)
         self.store_id: str | None = store.group.attrs.get("store_id")
         self.last_report: dict[str, Any] | None = None  # as the last refresh read it
+        self._confirmed: Fingerprint = None  # zarr.json's, before its last read found store_id
         self.manifest: Manifest = store.manifest
         self.token_arrays = token_arrays(self.manifest)
         self._store: Store | None = store
@@ -179,9 +204,21 @@ class _StoreView:
         """The store's attributes read afresh (`bound_attributes`: StoreReplaced if the URL
         holds another store now, or none), and with them `last_report` (the report of its
         last finished run; None: no run ended yet)."""
-        attrs = bound_attributes(self.url, self.store.group.store, self.store_id, cause)
+        location = self.store.group.store
+        seen = fingerprint(location)  # before the read: a write after it changes it
+        attrs = bound_attributes(self.url, location, self.store_id, cause)
         report = attrs.get("report")
         self.last_report = dict(report) if isinstance(report, Mapping) else None
+        self._confirmed = seen
+
+    def confirm(self) -> None:
+        """After a read, before its rows are handed out: StoreReplaced unless the URL still
+        holds this store, so they were this store's rows (a store's id never comes back once
+        it is deleted). Its zarr.json unchanged since it was last read (`fingerprint`: a stat,
+        or a HEAD on object storage) proves it; else the store's attributes are read
+        (`check`)."""
+        if self._confirmed is None or fingerprint(self.store.group.store) != self._confirmed:
+            self.check()
 
     def __getstate__(self) -> dict[str, Any]:
         return {**self.__dict__, "_store": None, "_rows": None}  # per process
@@ -309,6 +346,7 @@ class HiddenStatesDataset(_VisibleSamples, Dataset):
         i = int(self._visible[k])
         start, length = int(self._view.sample_start[i]), int(self._view.sample_length[i])
         rows = self._view.read_rows(start, start + length)
+        self._view.confirm()
         return self._view.sample(i, rows, start)
 
 
@@ -338,8 +376,9 @@ class HiddenStatesIterable(_VisibleSamples, IterableDataset):
     `StatefulDataLoader`, which keeps one per worker.
 
     **Its store.** Each iteration starts by checking that the URL still holds the store the
-    reader was built on, each poll after reading the commits, and a long read every `poll_s`:
-    another store there (deleted and made again) raises `StoreReplaced`.
+    reader was built on, each poll after reading the commits, and each block once its rows
+    have arrived, before any of them is yielded: another store there (deleted and made again)
+    raises `StoreReplaced`.
 
     Each shard is read in contiguous blocks of whole samples of at most `block_bytes` (one read
     per array per block; a larger sample is a block of its own), so memory stays bounded; 16 MB
@@ -506,11 +545,8 @@ class HiddenStatesIterable(_VisibleSamples, IterableDataset):
             for sh in shards
         }
         blocks = (block for shard in shards for block in self._blocks(shard))
-        check_at = time.monotonic() + self.poll_s
         for block, rows in self._view.read_blocks(blocks):
-            if time.monotonic() >= check_at:  # reading for long: the store checked as a poll would
-                self._view.check()
-                check_at = time.monotonic() + self.poll_s
+            self._view.confirm()  # its rows have arrived: were they this store's?
             k, first, stop = block.tag
             for n in range(first, stop):
                 if not written[n]:

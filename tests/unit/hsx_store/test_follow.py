@@ -22,11 +22,18 @@ import numpy as np
 import pytest
 from torch.utils.data import DataLoader
 from torchdata.stateful_dataloader import StatefulDataLoader
+from zarr.storage import LocalStore
 
 from actors.shard_writer import ShardWriter
 from hsx_store.export import read_exported, sample_path
 from hsx_store.format import Store, create_store
-from hsx_store.reader import COMPLETE, HiddenStatesDataset, HiddenStatesIterable, StoreReplaced
+from hsx_store.reader import (
+    COMPLETE,
+    HiddenStatesDataset,
+    HiddenStatesIterable,
+    StoreReplaced,
+    fingerprint,
+)
 from tests.helpers.exports import assert_same, export
 from tests.helpers.synthetic import (
     NUM_AUX,
@@ -344,20 +351,65 @@ def test_a_reader_whose_store_is_replaced_before_it_reads_refuses_it(tmp_path: P
         pickle.loads(pickle.dumps(copied))[0]
 
 
-def test_a_long_read_checks_its_store_every_poll_s(tmp_path: Path) -> None:
-    """A reader in a long read (here one sample a block, the consumer slow) checks its store
-    every poll_s, not only between polls: B made meanwhile stops it at the next block."""
+@pytest.mark.parametrize("prefetch_bytes", [1, None], ids=["next-block-ahead", "all-read-ahead"])
+@pytest.mark.parametrize("same_plan", [False, True], ids=["another-plan", "same-plan"])
+def test_a_read_yields_no_row_of_a_store_replaced_under_it(
+    tmp_path: Path, prefetch_bytes: int | None, same_plan: bool
+) -> None:
+    """A reader in the middle of store A (one sample a block; the next block read ahead, or
+    every block) with no poll due for long: B made at its URL stops it at the very next sample,
+    naming both, before any row read since is yielded (B's own layout: every later sample
+    would be read wrong)."""
     url = tmp_path / "s.zarr"
     store = new_store(url)
     for k in range(3):
         write_shard(store, k)
-    samples = iter(HiddenStatesIterable(str(url), block_bytes=1, poll_s=0.2, max_poll_s=0.2))
+    a = store_id(url)
+    reader = HiddenStatesIterable(
+        str(url), block_bytes=1, prefetch_bytes=prefetch_bytes, poll_s=60, max_poll_s=60
+    )
+    samples = iter(reader)
     assert_sample_exact(next(samples), 0, "bfloat16")
-    assert_sample_exact(next(samples), 1, "bfloat16")  # within poll_s: not checked
-    replace_store(url, same_plan=True)
-    time.sleep(0.2)
-    with pytest.raises(StoreReplaced, match="store_id"):
+    b = replace_store(url, same_plan).group.attrs["store_id"]
+    said = rf"store_id {a} when first read, store_id {b} there now"
+    with pytest.raises(StoreReplaced, match=said):
         next(samples)
+
+
+def test_random_access_yields_no_row_of_a_store_replaced_under_it(tmp_path: Path) -> None:
+    """Random access in this process (a DataLoader of no workers): item 0 read from store A,
+    then B made at its URL: every later item raises, naming both, where it read B's rows with
+    A's layout."""
+    url = tmp_path / "s.zarr"
+    store = new_store(url)
+    for k in range(3):
+        write_shard(store, k)
+    a, ds = store_id(url), HiddenStatesDataset(str(url))
+    assert_sample_exact(ds[0], 0, "bfloat16")
+    b = replace_store(url, same_plan=False).group.attrs["store_id"]
+    for k in (0, 1, 5, 9):
+        with pytest.raises(StoreReplaced, match=f"store_id {a} when first read, store_id {b}"):
+            ds[k]
+
+
+def test_the_stores_own_attribute_writes_do_not_stop_its_readers(tmp_path: Path) -> None:
+    """Store A's zarr.json written again mid-read (its job writes a report): the readers see it
+    changed, read it, find A's store_id still, and read on, every sample exact."""
+    url = tmp_path / "s.zarr"
+    store = new_store(url)
+    for k in range(3):
+        write_shard(store, k)
+    samples = iter(HiddenStatesIterable(str(url), block_bytes=1, prefetch_bytes=1))
+    ds = HiddenStatesDataset(str(url))
+    assert_sample_exact(next(samples), 0, "bfloat16")
+    assert_sample_exact(ds[0], 0, "bfloat16")
+    before = fingerprint(LocalStore(url))
+    store.group.attrs["report"] = {"ok": True}
+    assert fingerprint(LocalStore(url)) != before
+    for i, sample in enumerate(samples, start=1):
+        assert_sample_exact(sample, i, "bfloat16")
+        assert_sample_exact(ds[i], i, "bfloat16")
+    assert i == len(ALL) - 1
 
 
 @pytest.mark.parametrize(
