@@ -3,8 +3,8 @@
 #   make test                 set up, then run every test (real SGLang servers on CPU, Ray, S3)
 #   make test-fast            set up, then run tests/unit: no server, no Ray, no S3 (< 3 min)
 #   make bench [BENCH=name]   set up, then run every benchmark, or one
-#   make campaign [SEED=n] [CAMPAIGN=--short]   set up, then run the fault campaign (~17 min;
-#                             short: CI's, ~5 min)
+#   make campaign [SEED=n] [CAMPAIGN=--short]   set up, then run the fault campaign (capture and
+#                             generate jobs; short: CI's; times: docs/testing.md)
 #   make docs                 regenerate docs/configuration.md from the config models
 PYTHON ?= python3.11
 VENV := .venv

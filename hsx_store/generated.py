@@ -11,7 +11,9 @@ One JSON object per part under `generation/` beside the Zarr arrays (zarr ignore
 no node of its hierarchy). A responses object is written once, after its generation is whole,
 by the worker whose claim on the part won: it is what makes a part's generation durable; the
 driver plans the part's samples from it, a resume re-uses it, a lost worker never makes the part
-generate again. Fields: docs/design/generation.md.
+generate again. Once, by the store: the write only creates (If-None-Match on S3), so the upload
+of a claimant lost mid-write that lands late, or a retried upload, is never replaced by the
+next holder's. Fields: docs/design/generation.md.
 """
 
 from __future__ import annotations
@@ -49,7 +51,9 @@ class GeneratedParts:
         return list(doc["prompts"])
 
     def put_responses(self, part: int, record: Mapping[str, Any]) -> None:
-        self._put(_key("responses", part), {"part": part, **record})
+        """Part `part`'s generation, unless one is there already (then that one stays: the
+        first to land is the part's, as the module doc says)."""
+        self._put(_key("responses", part), {"part": part, **record}, create=True)
 
     def responses(self, part: int) -> dict[str, Any] | None:
         """Part `part`'s generation, once durable; None before."""
@@ -64,9 +68,12 @@ class GeneratedParts:
         names = [Path(key).stem for key in sync(listed())]
         return sorted(int(n.split("-")[1]) for n in names if n.startswith("responses-"))
 
-    def _put(self, key: str, doc: Mapping[str, Any]) -> None:
-        data = json.dumps(doc, separators=(",", ":")).encode()
-        sync(self.location.set(key, Buffer.from_bytes(data)))
+    def _put(self, key: str, doc: Mapping[str, Any], create: bool = False) -> None:
+        data = Buffer.from_bytes(json.dumps(doc, separators=(",", ":")).encode())
+        # Create-only: the local store's exclusive create, or hsx_store/location.py's create
+        # PUT, retried like every PUT of ours (one that finds the object there is done).
+        write = self.location.set_if_not_exists if create else self.location.set
+        sync(write(key, data))
 
     def _get(self, key: str) -> dict[str, Any] | None:
         buf = sync(self.location.get(key, prototype=default_buffer_prototype()))

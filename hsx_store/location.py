@@ -21,6 +21,7 @@ secret value that reaches a message replaced by `***`.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import datetime
 import os
 import random
@@ -192,14 +193,25 @@ class SinglePutObjectStore(ObjectStore):
 
     async def set(self, key: str, value: Buffer) -> None:
         self._check_writable()
+        await self._put_retried(key, value, mode="overwrite")
+
+    async def set_if_not_exists(self, key: str, value: Buffer) -> None:
+        """Create-only (If-None-Match on S3): an object already at `key` stays. Retried as every
+        PUT (obstore would not retry a create that timed out): a retry that finds the object,
+        its own earlier attempt's or another writer's, is done, as zarr's own is."""
+        self._check_writable()
+        with contextlib.suppress(obstore.exceptions.AlreadyExistsError):  # 412: not retried
+            await self._put_retried(key, value, mode="create")
+
+    async def _put_retried(self, key: str, value: Buffer, mode: str) -> None:
         attempts = _PutAttempts(self.retry)
         try:
             while True:
                 try:
                     await obstore.put_async(
-                        self.puts, key, value.as_buffer_like(), use_multipart=False
+                        self.puts, key, value.as_buffer_like(), use_multipart=False, mode=mode
                     )
-                    break
+                    return
                 except Exception as exc:
                     await asyncio.sleep(attempts.wait_after(exc))
         finally:

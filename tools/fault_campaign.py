@@ -1,29 +1,39 @@
-"""The fault campaign: a job on a local multi-node Ray cluster, its store on S3, run through a
-seeded schedule of faults, then checked for exactly-once, correct rows and a clean machine.
+"""The fault campaign: jobs on a local multi-node Ray cluster, their stores on S3, each run through
+a seeded schedule of faults, then checked for exactly-once, correct rows and a clean machine.
 
-    .venv/bin/python -m tools.fault_campaign --seed 7            # the full form (~17 min, 2 cores)
-    .venv/bin/python -m tools.fault_campaign --short --seed 7    # CI's (~5 minutes)
+    .venv/bin/python -m tools.fault_campaign --seed 7            # the full form
+    .venv/bin/python -m tools.fault_campaign --short --seed 7    # CI's (times: docs/testing.md)
+    .venv/bin/python -m tools.fault_campaign --short --jobs greedy   # one of the form's jobs
     make campaign SEED=7 [CAMPAIGN=--short]
 
 Setup: simulated GPU nodes (ray.cluster_utils.Cluster, each advertising `sglang_node`), a tiny
-Llama served in float32 by one patched SGLang server per node, the store on a real S3 server on
-loopback (moto) reached through a proxy that can fail or stall requests, and the servers' dumps
-in a small tmpfs of their own that can be filled (as root; elsewhere /dev/shm, and that fault is
-skipped). The driver is `python -m cluster run`, as `ray job submit` starts it.
+Llama served in float32 by one patched SGLang server per node, the stores on a real S3 server on
+loopback (moto) reached through a proxy that can fail, stall or hold requests (and reads them),
+and the servers' dumps in a small tmpfs of their own that can be filled (as root; elsewhere
+/dev/shm, and that fault is skipped). The driver is `python -m cluster run`, as `ray job submit`
+starts it. The jobs, one after another: `capture` (rows captured as they are), then two
+`generate:` jobs, `greedy` (every assistant turn written anew) and `sampled` (the last one,
+temperature 0.8), two responses a prompt, their stores in a versioned bucket.
 
-Faults, at seeded moments after the job starts (each kind at least once): SIGKILL of a worker, of
-a server and of the driver (then the job is submitted again and resumes), SIGSTOP of a server
-for a while (a straggler), a node removed and another added, the S3 endpoint resetting or
-stalling every connection for a while, the dump file system full for a while. A driver that
-exits short of a complete store is submitted again too.
+Faults, at seeded moments after a job starts (each of the job's kinds at least once): SIGKILL
+of a worker, of a server and of the driver (then the job is submitted again and resumes),
+SIGSTOP of a server for a while (a straggler), a node removed and another added, the S3
+endpoint resetting or stalling every connection for a while, the dump file system full for a
+while; in the generate jobs also a worker SIGKILLed mid-claim (while its upload of a part's
+responses is held; the upload lands after it died). A driver that exits short of a complete
+store is submitted again too.
 
-Checked at the end: every planned sample committed exactly once, in input order, with its own
-tokens; `verify`'s integrity checks pass; one seeded sample per shard equals an independent
-float32 recompute (HF transformers); the report's counts match the store; nothing of ours is
-left in /dev/shm, the dump root, the workers' log folder or the temp dir. The seed fixes the
-schedule and the samples checked; what each fault hits depends on the job's progress at that
+Checked at the end of each job: every planned sample committed exactly once, in input order,
+with its own tokens; `verify`'s integrity checks pass; one seeded sample per shard equals an
+independent float32 recompute (HF transformers); the report's counts match the store; nothing
+of ours is left in /dev/shm, the dump root, the workers' log folder or the temp dir. Of the
+generate jobs (tools/campaign_generation.py): every prompt's samples planned once, each part's
+responses written once (one object version), no kept part generated again, each sample its
+stored responses; the greedy job's responses the reference's greedy decode. The seed fixes the
+schedules and the samples checked; what each fault hits depends on the job's progress at that
 moment, which it does not.
-The last line: `CAMPAIGN seed=... faults=... resubmits=... lost=0 duplicated=0 leftovers=0 PASS`.
+The last line: `CAMPAIGN seed=... faults=... resubmits=... lost=0 duplicated=0 rewritten=0
+regenerated=0 leftovers=0 PASS`.
 """
 
 from __future__ import annotations
@@ -33,14 +43,13 @@ import contextlib
 import json
 import os
 import random
-import secrets
 import signal
 import subprocess
 import sys
 import tempfile
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -48,17 +57,24 @@ from typing import Any
 import numpy as np
 import yaml
 
-from actors.private_folders import SHM_ROOT
-from tools.fault_injection import DiskFiller, FaultyProxy, processes, server_groups
-from tools.ray_head import private_temp_dir
-from tools.s3_server import S3Server, s3_server
+from tools.campaign_cluster import (
+    NODE_ARGS,
+    configure_local_ray,
+    dump_file_system,
+    our_shm_files,
+    our_temp_entries,
+    ray_cluster,
+)
+from tools.campaign_generation import RESPONSES_PUT, check_generated, stored_versions
+from tools.fault_injection import FaultyProxy, processes, server_groups, socket_owner
+from tools.s3_server import s3_server
 from tools.tiny_models import ensure_models
 
 MODEL = "llama-tiny"
 DTYPE = "float32"  # served and stored exactly enough for a plain recompute to judge
 LAYERS = [0, 2, 4]
-DUMP_FS_BYTES = 256 << 20
 MAX_SUBMISSIONS = 40
+GENERATED_BUCKET = "campaign-generated"  # versioned: each landed PUT is a version
 
 KINDS = (
     "kill_worker",
@@ -70,21 +86,62 @@ KINDS = (
     "s3_stall",
     "disk_full",
 )
+# A generate job's short list: the faults that meet generation (a worker killed while it
+# generates, or while it writes a part's responses; the driver; S3 failing under the writes).
+GENERATION_KINDS = ("kill_worker", "claim_kill", "kill_driver", "s3_reset", "s3_stall")
 LASTING = {"freeze_server": (4, 10), "s3_reset": (3, 8), "s3_stall": (3, 8), "disk_full": (4, 10)}
+# How long a killed claimant's upload stays held after its death: the driver gives its part
+# back meanwhile, so the next holder may begin generating it before the upload lands. Below
+# the S3 client's 2 s timeout, so uploads of other workers held meanwhile are not retried.
+CLAIM_HOLD_S = 1.5
+
+GREEDY = {"turns": "all", "n": 2, "max_new_tokens": 16, "temperature": 0.0}
+SAMPLED = {"turns": "last", "n": 2, "max_new_tokens": 16, "temperature": 0.8, "top_p": 0.95}
+
+
+@dataclass(frozen=True)
+class JobPlan:
+    name: str
+    samples: int  # input rows (a generate job's: prompts)
+    samples_per_shard: int
+    faults: int
+    # Faults fall in [15 s, window_s) after the job's first submission; a generate job's also
+    # wait for its generation to get that far (`Fault.after_parts`).
+    window_s: float
+    kinds: tuple[str, ...] = KINDS
+    generate: dict[str, Any] | None = None
+
+    @property
+    def parts(self) -> int:
+        """A generate job's parts of prompts (cluster/generation_feed.py cuts them so)."""
+        assert self.generate is not None
+        per_part = max(1, self.samples_per_shard // self.generate["n"])
+        return -(-self.samples // per_part)
 
 
 @dataclass(frozen=True)
 class Form:
     nodes: int
-    samples: int
-    samples_per_shard: int
-    faults: int
-    window_s: float  # faults fall in [15 s, window_s) after the job's first submission
+    jobs: tuple[JobPlan, ...]
 
 
 FORMS = {
-    "short": Form(nodes=2, samples=1600, samples_per_shard=40, faults=8, window_s=150),
-    "full": Form(nodes=3, samples=6000, samples_per_shard=50, faults=24, window_s=540),
+    "short": Form(
+        nodes=2,
+        jobs=(
+            JobPlan("capture", 1200, 40, faults=8, window_s=150),
+            JobPlan("greedy", 48, 16, 5, 60, GENERATION_KINDS, GREEDY),
+            JobPlan("sampled", 48, 16, 5, 60, GENERATION_KINDS, SAMPLED),
+        ),
+    ),
+    "full": Form(
+        nodes=3,
+        jobs=(
+            JobPlan("capture", 6000, 50, faults=24, window_s=540),
+            JobPlan("greedy", 240, 16, 12, 150, (*KINDS, "claim_kill"), GREEDY),
+            JobPlan("sampled", 240, 16, 12, 150, (*KINDS, "claim_kill"), SAMPLED),
+        ),
+    ),
 }
 
 
@@ -94,23 +151,31 @@ class Fault:
     kind: str
     lasts_s: float = 0.0
     pick: int = 0  # which of the processes or nodes it can hit (modulo their number)
+    # A generate job's: not before this many parts' responses were uploaded, so that the
+    # faults meet generation however fast the machine generates.
+    after_parts: int = 0
 
     def __str__(self) -> str:
         lasting = f" for {self.lasts_s:.0f} s" if self.lasts_s else ""
-        return f"t={self.at_s:6.1f} s  {self.kind}{lasting}"
+        parts = f", {self.after_parts} parts uploaded" if self.after_parts else ""
+        return f"t={self.at_s:6.1f} s{parts}  {self.kind}{lasting}"
 
 
-def make_schedule(seed: int, form: Form) -> list[Fault]:
-    """`form.faults` faults, every kind at least once, at seeded moments at least 8 s apart."""
-    rng = random.Random(seed)
-    kinds = list(KINDS) + [rng.choice(KINDS) for _ in range(form.faults - len(KINDS))]
+def make_schedule(seed: int, job: JobPlan) -> list[Fault]:
+    """`job.faults` faults, every one of its kinds at least once, at seeded moments at least
+    8 s apart; a generate job's spread over its generation too (the j-th of F after j/(F+1)
+    of its parts)."""
+    rng = random.Random(f"{seed}/{job.name}")
+    kinds = list(job.kinds) + [rng.choice(job.kinds) for _ in range(job.faults - len(job.kinds))]
     rng.shuffle(kinds)
-    gap = (form.window_s - 15) / len(kinds)
+    gap = (job.window_s - 15) / len(kinds)
     faults = []
     for j, kind in enumerate(kinds):
         at = 15 + j * gap + rng.uniform(0, max(gap - 8, 0))
         low, high = LASTING.get(kind, (0, 0))
-        faults.append(Fault(round(at, 1), kind, rng.uniform(low, high), rng.randrange(1 << 16)))
+        after = (j + 1) * job.parts // (len(kinds) + 1) if job.generate else 0
+        lasts, pick = rng.uniform(low, high), rng.randrange(1 << 16)
+        faults.append(Fault(round(at, 1), kind, lasts, pick, after))
     return faults
 
 
@@ -122,13 +187,33 @@ class Outcome:
     problems: list[str] = field(default_factory=list)
     lost: int = 0
     duplicated: int = 0
+    rewritten: int = 0  # responses objects written more than once
+    regenerated: int = 0  # kept parts generated again
     leftovers: list[str] = field(default_factory=list)
 
 
+@dataclass
+class Job:
+    """One job of the campaign as it runs: its plan, folder, input rows and store."""
+
+    plan: JobPlan
+    work: Path
+    url: str
+    rows: list[dict[str, Any]] = field(default_factory=list)
+    schedule: list[Fault] = field(default_factory=list)
+
+
 class Campaign:
-    def __init__(self, seed: int, form: Form, work: Path, say: Callable[[str], None]) -> None:
+    def __init__(
+        self,
+        seed: int,
+        form: Form,
+        work: Path,
+        say: Callable[[str], None],
+        jobs: list[JobPlan] | None = None,
+    ) -> None:
         self.seed, self.form, self.work, self.say = seed, form, work, say
-        self.schedule = make_schedule(seed, form)
+        self.jobs = jobs if jobs is not None else list(form.jobs)
         self.outcome = Outcome()
         self.model = ensure_models(Path(".cache/models").resolve(), [MODEL])[MODEL]
         self.driver: subprocess.Popen[bytes] | None = None
@@ -138,42 +223,55 @@ class Campaign:
 
     def run(self) -> Outcome:
         with contextlib.ExitStack() as stack:
-            s3 = stack.enter_context(s3_server("campaign"))
-            self.proxy = stack.enter_context(FaultyProxy(s3.endpoint))
+            self.s3 = stack.enter_context(s3_server("campaign"))
+            self.s3.client().create_bucket(Bucket=GENERATED_BUCKET)
+            self.s3.client().put_bucket_versioning(
+                Bucket=GENERATED_BUCKET, VersioningConfiguration={"Status": "Enabled"}
+            )
+            # The bodies of responses uploads are kept: what the regeneration check reads.
+            self.proxy = stack.enter_context(FaultyProxy(self.s3.endpoint, rb"/responses-"))
             self.dump_root = stack.enter_context(dump_file_system(self.work / "dumps"))
             self.cluster = stack.enter_context(ray_cluster(self.form.nodes))
-            shm_before = our_shm_files()
-            temp_before = our_temp_entries()
-            config = self.write_config(s3)
-            self.say(
-                f"job: {self.form.samples} samples, {self.shards} shards of {MODEL}, "
-                f"{self.form.nodes} nodes, store {self.url}"
-            )
-            self.say("schedule:\n" + "\n".join(f"  {f}" for f in self.schedule))
             if not self.dump_root.filler:
-                self.say("  (disk_full is skipped: mounting a tmpfs needs root)")
-            self.run_job(config)
-            self.wait_servers_gone()
-            self.check_store(s3)
-            self.outcome.leftovers = sorted(
-                (our_shm_files() - shm_before)
-                | {str(p) for p in self.dump_root.path.iterdir()}
-                | {str(p) for p in (self.work / "logs").glob("*")}
-                | (our_temp_entries() - temp_before)
-            )
+                self.say("(disk_full is skipped: mounting a tmpfs needs root)")
+            for plan in self.jobs:
+                self.run_one(plan)
         return self.outcome
 
-    @property
-    def shards(self) -> int:
-        return -(-self.form.samples // self.form.samples_per_shard)
+    def run_one(self, plan: JobPlan) -> None:
+        bucket = self.s3.bucket if plan.generate is None else GENERATED_BUCKET
+        job = Job(plan, self.work / plan.name, f"s3://{bucket}/{plan.name}.zarr")
+        job.work.mkdir()
+        job.schedule = make_schedule(self.seed, plan)
+        shm_before, temp_before = our_shm_files(), our_temp_entries()
+        config = self.write_config(job)
+        what = "generate, then capture" if plan.generate else "capture"
+        self.say(
+            f"== job {plan.name} ({what}): {plan.samples} rows, {MODEL}, {self.form.nodes} "
+            f"nodes, store {job.url}"
+        )
+        if plan.generate:
+            self.say(f"   generate: {json.dumps(plan.generate)}")
+        self.say("schedule:\n" + "\n".join(f"  {f}" for f in job.schedule))
+        started = time.monotonic()
+        self.run_job(job, config)
+        self.wait_servers_gone()
+        self.check_store(job)
+        self.outcome.leftovers += sorted(
+            (our_shm_files() - shm_before)
+            | {str(p) for p in self.dump_root.path.iterdir()}
+            | {str(p) for p in (job.work / "logs").glob("*")}
+            | (our_temp_entries() - temp_before)
+        )
+        self.say(f"== job {plan.name}: {time.monotonic() - started:.0f} s")
 
-    def write_config(self, s3: S3Server) -> Path:
+    def write_config(self, job: Job) -> Path:
         from tests.helpers.prompts import write_prompts
 
-        self.rows = write_prompts(self.work / "prompts.jsonl", self.form.samples)
-        self.url = s3.url("campaign.zarr")
-        self.options = {
-            **s3.options,
+        prompts = job.work / "prompts.jsonl"
+        job.rows = write_prompts(prompts, job.plan.samples)
+        options = {
+            **self.s3.options,
             "endpoint": self.proxy.endpoint,
             # Short, so a stalled endpoint costs seconds: bound 2 + 4 + 1 s, margin 22 s.
             "client_options": {"timeout": "2s", "connect_timeout": "1s"},
@@ -183,20 +281,20 @@ class Campaign:
                 "backoff": {"init_backoff": "100ms", "max_backoff": "1s", "base": 2},
             },
         }
-        config = {
+        config: dict[str, Any] = {
             "model": {"path": str(self.model), "dtype": DTYPE, "aux_layer_ids": LAYERS},
-            "data": {"paths": [str(self.work / "prompts.jsonl")]},
+            "data": {"paths": [str(prompts)], "max_length": 2048},
             "store": {
-                "url": self.url,
-                "storage_options": self.options,
-                "samples_per_shard": self.form.samples_per_shard,
+                "url": job.url,
+                "storage_options": options,
+                "samples_per_shard": job.plan.samples_per_shard,
                 "chunk_tokens": 256,
             },
             "queue": {"lease_s": 60, "shard_attempts": 50, "straggler_min_s": 15},
             "server": {"restarts": 50, "request_timeout_s": 60, "start_timeout_s": 300},
             "worker": {
                 "dump_root": str(self.dump_root.path),
-                "log_root": str(self.work / "logs"),
+                "log_root": str(job.work / "logs"),
                 "log_retention_s": 0,
                 "max_node_failures": 50,
                 "inflight": 4,
@@ -204,14 +302,16 @@ class Campaign:
             },
             "driver": {"progress_interval_s": 5, "log_interval_s": 10, "finish_grace_s": 10},
         }
-        path = self.work / "job.yaml"
+        if job.plan.generate is not None:
+            config["generate"] = job.plan.generate
+        path = job.work / "job.yaml"
         path.write_text(yaml.safe_dump(config))
         path.chmod(0o600)  # it holds the S3 secret
         return path
 
     # -- the job and its faults -----------------------------------------------------------------
 
-    def run_job(self, config: Path) -> None:
+    def run_job(self, job: Job, config: Path) -> None:
         """Submit the job, again after each exit short of a complete store, while the faults
         come from this thread (Ray's cluster_utils removes a node only from the main thread)."""
         started, done = time.monotonic(), threading.Event()
@@ -219,7 +319,7 @@ class Campaign:
 
         def submit() -> None:
             try:
-                self.submit_until_done(config, started)
+                self.submit_until_done(job, config, started)
                 ended.append(None)
             except BaseException as exc:
                 ended.append(exc)
@@ -227,41 +327,48 @@ class Campaign:
                 done.set()
 
         threading.Thread(target=submit, name="submitter", daemon=True).start()
-        self.inject_all(started, done)
+        self.inject_all(job, started, done)
         done.wait()
         if ended[0] is not None:
             raise ended[0]
 
-    def submit_until_done(self, config: Path, started: float) -> None:
+    def submit_until_done(self, job: Job, config: Path, started: float) -> None:
         from tests.helpers.jobs import start_driver  # Ray's modules: after configure_local_ray
 
+        log, submissions = job.work / "driver.log", 0
         while True:
             with self._lock:
-                self.driver = start_driver(config, self.cluster.address, self.work / "driver.log")
+                self.driver = start_driver(config, self.cluster.address, log)
+                submissions += 1
                 self.outcome.submissions += 1
             code = self.driver.wait()
             elapsed = time.monotonic() - started
-            self.say(
-                f"[{elapsed:6.1f} s] driver exited {code} (submission {self.outcome.submissions})"
-            )
+            self.say(f"[{elapsed:6.1f} s] driver exited {code} (submission {submissions})")
             if code == 0:
                 return
             if code == 2:
-                raise RuntimeError(f"the job was refused: see {self.work / 'driver.log'}")
-            if self.outcome.submissions >= MAX_SUBMISSIONS:
+                raise RuntimeError(f"the job was refused: see {log}")
+            if submissions >= MAX_SUBMISSIONS:
                 raise RuntimeError(f"the job did not complete in {MAX_SUBMISSIONS} submissions")
 
-    def inject_all(self, started: float, stop: threading.Event) -> None:
-        for j, fault in enumerate(self.schedule):
-            if stop.wait(max(0.0, started + fault.at_s - time.monotonic())):
-                self.outcome.missed += [f"{f.kind}: the job ended first" for f in self.schedule[j:]]
+    def inject_all(self, job: Job, started: float, stop: threading.Event) -> None:
+        schedule, previous_end = job.schedule, started
+        for j, fault in enumerate(schedule):
+            # A generate job's faults wait for its progress: still 8 s after the one before.
+            at = max(started + fault.at_s, previous_end + 8 if fault.after_parts else 0)
+            due = stop.wait(max(0.0, at - time.monotonic()))
+            while not due and self.parts_uploaded(job) < fault.after_parts:
+                due = stop.wait(0.5)
+            if due:  # the stop event: the job ended
+                self.outcome.missed += [f"{f.kind}: the job ended first" for f in schedule[j:]]
                 return
             try:
                 what = self.inject(fault, stop)
             except Exception as exc:  # a fault that could not be injected is reported
                 what = None
                 self.say(f"  fault {fault}: {type(exc).__name__}: {exc}")
-            line = f"[{time.monotonic() - started:6.1f} s] {fault.kind}: {what or 'no target'}"
+            previous_end = time.monotonic()
+            line = f"[{previous_end - started:6.1f} s] {fault.kind}: {what or 'no target'}"
             self.say(line)
             (self.outcome.injected if what else self.outcome.missed).append(line)
 
@@ -272,6 +379,8 @@ class Campaign:
             if pids:
                 os.kill(pids[pick % len(pids)], signal.SIGKILL)
                 return f"SIGKILL worker pid {pids[pick % len(pids)]}"
+        elif kind == "claim_kill":
+            return self.kill_mid_claim(stop)
         elif kind in ("kill_server", "freeze_server"):
             groups = wait_for(lambda: server_groups(self.model), stop)
             if not groups:
@@ -312,6 +421,28 @@ class Campaign:
             return f"dump file system full ({taken >> 20} MiB taken) for {fault.lasts_s:.0f} s"
         return None
 
+    def parts_uploaded(self, job: Job) -> int:
+        """The parts of `job` whose responses the proxy has seen uploaded (landed or not)."""
+        mark = f"/{job.plan.name}.zarr/generation/responses-"
+        return len({r.target for r in list(self.proxy.requests) if mark in r.target and r.body})
+
+    def kill_mid_claim(self, stop: threading.Event) -> str | None:
+        """The next upload of a part's responses is held (its worker has won the part's claim
+        and is writing), its worker SIGKILLed, and the upload let through CLAIM_HOLD_S later."""
+        self.proxy.held.clear()
+        self.proxy.hold = RESPONSES_PUT
+        try:
+            if not wait_for(lambda: list(self.proxy.held), stop, timeout=120):
+                return None
+            pid = socket_owner(self.proxy.held[0], processes(b"ray::NodeWorker"))
+            if pid is None:
+                return None
+            os.kill(pid, signal.SIGKILL)
+            stop.wait(CLAIM_HOLD_S)
+            return f"SIGKILL worker pid {pid} mid-claim (its responses upload landed after)"
+        finally:
+            self.proxy.hold = None
+
     # -- the checks -----------------------------------------------------------------------------
 
     def wait_servers_gone(self, timeout: float = 60.0) -> None:
@@ -322,31 +453,55 @@ class Campaign:
         if left := server_groups(self.model):
             self.outcome.problems.append(f"servers still running after the job: {left}")
 
-    def check_store(self, s3: S3Server) -> None:
+    def check_store(self, job: Job) -> None:
         from cluster.verify import verify
         from hsx_store.format import Store
 
-        options = {**s3.options}  # straight to the server, not through the proxy
-        store = Store.open(self.url, storage_options=options)
-        g, problems = store.group, self.outcome.problems
+        options = {**self.s3.options}  # straight to the server, not through the proxy
+        store = Store.open(job.url, storage_options=options)
+        g, problems = store.group, []
         ids = [str(x) for x in g["sample_id"][:]]
-        if ids != [r["id"] for r in self.rows]:
+        if job.plan.generate is None and ids != [r["id"] for r in job.rows]:
             problems.append("the store's sample ids are not the input's, in order")
         status = np.asarray(g["sample_status"][:])
         committed = store.committed()
         summaries = [store.summary(k) for k in np.flatnonzero(committed).tolist()]
         written = sum(s["written"] for s in summaries)
-        self.outcome.lost = int((status != 1).sum()) + sum(
+        self.outcome.lost += int((status != 1).sum()) + sum(
             sh.sample_end - sh.sample_begin for sh in store.shards if not committed[sh.index]
         )
-        self.outcome.duplicated = max(0, written - store.num_samples)
-        report = verify(self.url, storage_options=options, say=lambda _: None)
+        self.outcome.duplicated += max(0, written - store.num_samples)
+        report = verify(job.url, storage_options=options, say=lambda _: None)
         if not report.ok:
             problems.append("verify: " + report.format())
-        self.check_report(store)
-        self.check_rows(store)
+        self.check_report(store, problems)
+        self.check_rows(store, problems)
+        if job.plan.generate is not None:
+            self.check_generation(job, store, problems)
+        self.outcome.problems += [f"[{job.plan.name}] {p}" for p in problems]
 
-    def check_report(self, store: Any) -> None:
+    def check_generation(self, job: Job, store: Any, problems: list[str]) -> None:
+        gen, name = job.plan.generate, job.plan.name
+        assert gen is not None
+        versions = stored_versions(self.s3.client(), GENERATED_BUCKET, f"{name}.zarr/generation/")
+        uploads = [r for r in self.proxy.requests if r.body and f"/{name}.zarr/" in r.target]
+        found = check_generated(
+            store,
+            [r["id"] for r in job.rows],
+            gen,
+            job.plan.samples_per_shard,
+            versions,
+            uploads,
+            self.model if gen["temperature"] == 0 else None,
+        )
+        problems += found.problems
+        self.outcome.rewritten += found.rewritten
+        self.outcome.regenerated += found.regenerated
+        self.say(found.summary)
+        lost = (job.work / "driver.log").read_text().count("parts of prompts")
+        self.say(f"workers lost holding parts of prompts (their generation cut short): {lost}")
+
+    def check_report(self, store: Any, problems: list[str]) -> None:
         report = store.group.attrs.get("report") or {}
         counts = report.get("samples", {})
         expected = {
@@ -357,9 +512,9 @@ class Campaign:
         }
         got = {k: counts.get(k) for k in expected}
         if got != expected or not report.get("ok"):
-            self.outcome.problems.append(f"the report says {got}, the store {expected}")
+            problems.append(f"the report says {got}, the store {expected}")
 
-    def check_rows(self, store: Any) -> None:
+    def check_rows(self, store: Any, problems: list[str]) -> None:
         """One seeded sample per shard against HF transformers in float32."""
         import torch
 
@@ -383,94 +538,8 @@ class Campaign:
                     prenorm=prenorm,
                 )
             except AssertionError as exc:
-                self.outcome.problems.append(f"shard {sh.index}: {exc}")
+                problems.append(f"shard {sh.index}: {exc}")
         self.say(f"recomputed one sample of each of the {len(store.shards)} shards")
-
-
-# Every node on loopback, without a dashboard of its own.
-ON_LOOPBACK: dict[str, Any] = {"node_ip_address": "127.0.0.1", "include_dashboard": False}
-NODE_ARGS: dict[str, Any] = {"num_cpus": 1, "resources": {"sglang_node": 1}, **ON_LOOPBACK}
-
-
-@dataclass
-class DumpRoot:
-    path: Path
-    filler: DiskFiller | None
-
-
-@contextlib.contextmanager
-def dump_file_system(path: Path) -> Iterator[DumpRoot]:
-    """A small tmpfs of the campaign's own for the servers' dumps (as root), so filling it
-    touches nobody else; elsewhere a folder in /dev/shm, and no disk_full."""
-    path.mkdir(mode=0o700, parents=True)
-    mounted = (
-        subprocess.run(
-            ["mount", "-t", "tmpfs", "-o", f"size={DUMP_FS_BYTES},mode=0700", "tmpfs", str(path)],
-            capture_output=True,
-        ).returncode
-        == 0
-    )
-    if mounted:
-        try:
-            yield DumpRoot(path, DiskFiller(path))
-        finally:
-            subprocess.run(["umount", "-l", str(path)], check=False)
-        return
-    shm = Path(tempfile.mkdtemp(prefix="hsx-campaign-", dir=SHM_ROOT))
-    try:
-        yield DumpRoot(shm, None)
-    finally:
-        subprocess.run(["rm", "-rf", str(shm)], check=False)
-
-
-class _Cluster:
-    """ray.cluster_utils.Cluster, authenticated (a token of its own), in a temp dir of its own."""
-
-    def __init__(self, nodes: int, temp_dir: str) -> None:
-        from ray.cluster_utils import Cluster
-
-        self.temp_dir = temp_dir
-        self.inner = Cluster()
-        self.inner.add_node(num_cpus=1, temp_dir=temp_dir, **ON_LOOPBACK)  # planning, the driver
-        for _ in range(nodes):
-            self.inner.add_node(**NODE_ARGS, temp_dir=temp_dir)
-
-    @property
-    def address(self) -> str:
-        return self.inner.address
-
-    @property
-    def worker_nodes(self) -> list[Any]:
-        return list(self.inner.worker_nodes)
-
-    def remove_node(self, node: Any, allow_graceful: bool) -> None:
-        self.inner.remove_node(node, allow_graceful=allow_graceful)
-
-    def add_node(self, **kwargs: Any) -> None:
-        kwargs["temp_dir"] = self.temp_dir
-        self.inner.add_node(**kwargs)
-
-
-def configure_local_ray() -> None:
-    """Before anything in this process configures Ray (it reads these once): the cluster
-    authenticated (a token of its own), and on loopback (Ray turns a 127.0.0.1 address into the
-    machine's own address unless told the cluster is this machine alone; its name for that,
-    kept for laptops, is this variable). The driver and every node inherit both."""
-    os.environ.update(
-        RAY_AUTH_MODE="token",
-        RAY_AUTH_TOKEN=secrets.token_hex(32),
-        RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER="0",
-    )
-
-
-@contextlib.contextmanager
-def ray_cluster(nodes: int) -> Iterator[_Cluster]:
-    with private_temp_dir() as temp_dir:
-        cluster = _Cluster(nodes, temp_dir)
-        try:
-            yield cluster
-        finally:
-            cluster.inner.shutdown()
 
 
 def wait_for(
@@ -483,15 +552,6 @@ def wait_for(
     return found
 
 
-def our_shm_files() -> set[str]:
-    marks = ("hsx-", "sglang_loads_", "sem.mp-")
-    return {str(p) for p in SHM_ROOT.iterdir() if p.name.startswith(marks)}
-
-
-def our_temp_entries() -> set[str]:
-    return {str(p) for p in Path(tempfile.gettempdir()).glob("hsx-*")}
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="python -m tools.fault_campaign",
@@ -499,31 +559,42 @@ def main(argv: list[str] | None = None) -> int:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--short", action="store_true", help="CI's form: 2 nodes, 8 faults")
+    parser.add_argument("--short", action="store_true", help="CI's form: 2 nodes, fewer faults")
+    parser.add_argument(
+        "--jobs", help="which of the form's jobs to run, comma-separated (default: every one)"
+    )
     parser.add_argument("--keep", action="store_true", help="keep the work folder (logs)")
     args = parser.parse_args(argv)
-    configure_local_ray()
     form = FORMS["short" if args.short else "full"]
+    jobs = list(form.jobs)
+    if args.jobs:
+        names = args.jobs.split(",")
+        if unknown := [n for n in names if n not in {j.name for j in form.jobs}]:
+            parser.error(f"--jobs: no job {unknown} (the form's: {[j.name for j in form.jobs]})")
+        jobs = [j for j in form.jobs if j.name in names]
+    configure_local_ray()
     work = Path(tempfile.mkdtemp(prefix="campaign-"))
     say = lambda text: print(text, flush=True)  # noqa: E731
     say(
-        f"fault campaign, seed {args.seed}, {'short' if args.short else 'full'} form; "
-        f"work folder {work}"
+        f"fault campaign, seed {args.seed}, {'short' if args.short else 'full'} form, jobs "
+        f"{', '.join(j.name for j in jobs)}; work folder {work}"
     )
     started = time.monotonic()
     try:
-        outcome = Campaign(args.seed, form, work, say).run()
+        outcome = Campaign(args.seed, form, work, say, jobs).run()
     finally:
         if not args.keep:
             subprocess.run(["rm", "-rf", str(work)], check=False)
-    ok = not (outcome.problems or outcome.lost or outcome.duplicated or outcome.leftovers)
+    bad = outcome.lost or outcome.duplicated or outcome.rewritten or outcome.regenerated
+    ok = not (outcome.problems or bad or outcome.leftovers)
     for line in outcome.problems + [f"left behind: {p}" for p in outcome.leftovers]:
         say(f"PROBLEM {line}")
     say(json.dumps({"missed": outcome.missed}) if outcome.missed else "every fault hit a target")
     say(
         f"CAMPAIGN seed={args.seed} faults={len(outcome.injected)} "
-        f"resubmits={outcome.submissions - 1} lost={outcome.lost} "
-        f"duplicated={outcome.duplicated} leftovers={len(outcome.leftovers)} "
+        f"resubmits={outcome.submissions - len(jobs)} lost={outcome.lost} "
+        f"duplicated={outcome.duplicated} rewritten={outcome.rewritten} "
+        f"regenerated={outcome.regenerated} leftovers={len(outcome.leftovers)} "
         f"minutes={(time.monotonic() - started) / 60:.1f} {'PASS' if ok else 'FAIL'}"
     )
     return 0 if ok else 1

@@ -32,6 +32,7 @@ from cluster.job_store import open_or_create, plan_into
 from cluster.shard_queue import ShardQueue
 from hsx_store.export import FORMATS
 from hsx_store.format import Store
+from hsx_store.generated import GeneratedParts
 from hsx_store.integrity import verify_store
 from hsx_store.location import (
     SinglePutObjectStore,
@@ -442,6 +443,27 @@ def test_throttled_puts_are_retried_until_each_lands_once_and_are_counted(s3: S3
     # The clients kept the endpoint near its rate while they were throttled.
     rate = proxy.write_rate_while_throttling()
     assert 0.5 * WRITE_RATE < rate <= 1.1 * WRITE_RATE, rate
+
+
+def test_a_create_only_put_is_retried_when_throttled_and_never_replaces_the_first(
+    s3: S3Server,
+) -> None:
+    """A part's responses are written create-only (hsx_store/generated.py): throttled, each
+    create is retried until it lands, a second one leaves the first, and neither fails."""
+    prefix = f"{uuid.uuid4().hex}/g"
+    tally = ThrottleTally()
+    with ThrottlingProxy(s3.endpoint, write_rate=WRITE_RATE) as proxy:
+        parts = GeneratedParts(open_location(s3.url(prefix), through(proxy, s3)))
+        with tally.counting():
+            for part in range(2 * WRITE_RATE):
+                parts.put_responses(part, {"samples": [], "worker": "first"})
+            for part in range(2 * WRITE_RATE):
+                parts.put_responses(part, {"samples": [], "worker": "second"})
+    assert tally.count == proxy.throttled["PUT"] > 0
+    stored = GeneratedParts(open_location(s3.url(prefix), s3.options))
+    assert stored.parts() == list(range(2 * WRITE_RATE))
+    for part in range(2 * WRITE_RATE):
+        assert stored.responses(part)["worker"] == "first"
 
 
 def test_a_throttled_put_not_retried_fails_naming_slow_down_and_its_object_is_missing(
