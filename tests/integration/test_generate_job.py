@@ -1,4 +1,5 @@
-"""Generate, then capture, on the two simulated GPU nodes with the store on S3: the servers
+"""Generate, then capture, on the two simulated GPU nodes with the store on S3, written
+through an endpoint that throttles (503 SlowDown, tools/throttling_proxy.py): the servers
 write every assistant turn anew (greedy, two responses a prompt, each turn fed into the next),
 then capture them; the worker that kept the first part is killed at once. Each stored sample is
 checked against an independent client that writes the same turns on a server of its own, its
@@ -36,7 +37,9 @@ from tests.helpers.jobs import (
 from tests.helpers.prompts import write_prompts
 from tests.helpers.ray_cluster import SimulatedCluster
 from tests.helpers.servers import DEEPSEEK_FLOAT32, ServerPool
+from tests.helpers.throttling import WRITE_RATE, through
 from tools.s3_server import S3Server
+from tools.throttling_proxy import ThrottlingProxy
 
 MAX_NEW_TOKENS = 6
 
@@ -54,6 +57,7 @@ class GeneratedJob:
     secret: str  # the S3 secret key, which no log may hold
     followed: list[str]  # the sample ids a follow reader yielded while the job ran
     follow_ended: str | None  # and why it ended
+    throttled_puts: int  # the PUTs the throttling endpoint answered 503 SlowDown
 
     def store(self) -> Store:
         return Store.open(self.url, storage_options=self.storage_options)
@@ -91,33 +95,39 @@ def generated_job(
     raw["generate"] = {"turns": "all", "n": 2, "max_new_tokens": MAX_NEW_TOKENS, "stop": stop}
     log: list[str] = []
     ray_cluster.acquire()
-    driver = Driver(parse_config(raw), say=log.append)
-    result: list[int] = []
-    thread = threading.Thread(target=lambda: result.append(driver.run()))
-    thread.start()
-    try:
-        keep, deadline = None, time.monotonic() + 400
-        while keep is None or not keep.parts():
-            assert time.monotonic() < deadline and thread.is_alive(), "nothing was generated"
-            with contextlib.suppress(Exception):  # not created yet
-                keep = GeneratedParts(Store.open(url, storage_options=s3.options).group.store)
-            time.sleep(0.1)
-        kept = {k: keep.responses(k) for k in keep.parts()}
-        killed = kept[min(kept)]["worker"]
-        victim = next(r for r in driver.workers.values() if r.worker_id == killed)
-        ray.kill(victim.handle, no_restart=True)
-        reader = HiddenStatesIterable(url, storage_options=s3.options, follow=True, poll_s=0.2)
-        followed: list[str] = []
-        follower = threading.Thread(target=lambda: followed.extend(s["sample_id"] for s in reader))
-        follower.start()
-    finally:
-        thread.join(600)
+    # The job writes through an endpoint that answers 503 SlowDown above WRITE_RATE PUTs a
+    # second (the config kept for the tests below reaches S3 directly).
+    with ThrottlingProxy(s3.endpoint, write_rate=WRITE_RATE) as proxy:
+        throttled = {**raw, "store": {**raw["store"], "storage_options": through(proxy, s3)}}
+        driver = Driver(parse_config(throttled), say=log.append)
+        result: list[int] = []
+        thread = threading.Thread(target=lambda: result.append(driver.run()))
+        thread.start()
+        try:
+            keep, deadline = None, time.monotonic() + 400
+            while keep is None or not keep.parts():
+                assert time.monotonic() < deadline and thread.is_alive(), "nothing was generated"
+                with contextlib.suppress(Exception):  # not created yet
+                    keep = GeneratedParts(Store.open(url, storage_options=s3.options).group.store)
+                time.sleep(0.1)
+            kept = {k: keep.responses(k) for k in keep.parts()}
+            killed = kept[min(kept)]["worker"]
+            victim = next(r for r in driver.workers.values() if r.worker_id == killed)
+            ray.kill(victim.handle, no_restart=True)
+            reader = HiddenStatesIterable(url, storage_options=s3.options, follow=True, poll_s=0.2)
+            followed: list[str] = []
+            follower = threading.Thread(
+                target=lambda: followed.extend(s["sample_id"] for s in reader)
+            )
+            follower.start()
+        finally:
+            thread.join(600)
     assert result == [0], "\n".join(log)[-6000:]
     follower.join(120)
     ray_cluster.release()
     return GeneratedJob(
         url, s3.options, raw, rows, stop, kept, killed, log, s3.secret_access_key, followed,
-        reader.ended,
+        reader.ended, proxy.throttled["PUT"],
     )  # fmt: skip
 
 
@@ -307,3 +317,19 @@ def test_the_responses_are_readable_on_their_own_and_the_report_counts_them(
     generated = sum(len(t["output_ids"]) for c in conversations for t in c["turns"])
     assert generation["generated_tokens"] == generated
     assert "generated tok/s" in "\n".join(generated_job.log)
+
+
+def test_the_job_wrote_through_a_throttling_endpoint_and_its_report_counts_the_throttled_puts(
+    generated_job: GeneratedJob,
+) -> None:
+    """Two workers and the driver wrote through S3's 503 SlowDown above WRITE_RATE PUTs a
+    second: every sample stored once (the tests above), each throttled PUT retried, and the
+    report counts those of the committed shards (a shard's own summary and commit PUTs, and the
+    driver's, are throttled too, but not counted there)."""
+    store = generated_job.store()
+    shards = [store.summary(k)["throttled_requests"] for k in range(len(store.shards))]
+    report = store.group.attrs["report"]
+    assert report["throttled_requests"] == sum(shards) > 0
+    assert sum(shards) <= generated_job.throttled_puts
+    line = f"throttled requests     {sum(shards)} (503 SlowDown, retried)"
+    assert line in "\n".join(generated_job.log)

@@ -14,7 +14,6 @@ import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 import obstore.exceptions
@@ -27,7 +26,6 @@ from actors.ports import free_port
 from actors.shard_writer import ShardWriter
 from cluster.__main__ import main
 from cluster.config import parse_config
-from cluster.driver import Driver
 from cluster.job_store import open_or_create, plan_into
 from cluster.shard_queue import ShardQueue
 from hsx_store.export import FORMATS
@@ -43,7 +41,7 @@ from hsx_store.location import (
 from hsx_store.object_rows import _ChunkSource
 from hsx_store.reader import HiddenStatesDataset, HiddenStatesIterable, token_arrays
 from tests.helpers.exports import assert_same, export, exported_files
-from tests.helpers.jobs import assert_exactly_once, assert_store_matches_reference, job_config
+from tests.helpers.jobs import job_config
 from tests.helpers.prompts import write_prompts
 from tests.helpers.reports import errors
 from tests.helpers.synthetic import (
@@ -56,6 +54,7 @@ from tests.helpers.synthetic import (
     plan,
     sample_bits,
 )
+from tests.helpers.throttling import WRITE_RATE, through
 from tools.s3_server import S3Server
 from tools.throttling_proxy import ThrottlingProxy
 
@@ -398,19 +397,6 @@ def test_remote_chunks_are_fetched_once_each_ahead_of_the_consumer_within_the_bu
 
 # -- throttling: S3's 503 SlowDown above a prefix's request rate -------------------------------
 
-WRITE_RATE = 10  # PUTs a second the throttling endpoint passes per prefix
-
-
-def through(proxy: ThrottlingProxy, s3: S3Server, **retry: Any) -> dict[str, Any]:
-    """Storage options for the S3 server behind `proxy`: throttled PUTs retried for up to 30 s,
-    backing off at most 1 s (retry_config overridden by `retry`)."""
-    backoff = {"init_backoff": "50ms", "max_backoff": "1s"}
-    return {
-        **s3.options,
-        "endpoint": proxy.endpoint,
-        "retry_config": {"retry_timeout": "30s", "backoff": backoff, **retry},
-    }
-
 
 def test_throttled_puts_are_retried_until_each_lands_once_and_are_counted(s3: S3Server) -> None:
     prefix = f"{uuid.uuid4().hex}/t"
@@ -489,30 +475,3 @@ def test_a_throttled_put_not_retried_fails_naming_slow_down_and_its_object_is_mi
     ]
     stored = {key.rsplit("/", 1)[1] for key in s3.keys(prefix)}
     assert stored == {f"o{i}" for i in range(2 * WRITE_RATE)} - set(failed)
-
-
-def test_a_job_through_a_throttling_endpoint_stores_every_sample_once_and_counts_the_throttling(
-    ray_nodes: Any, s3: S3Server, deepseek_path: Path, tmp_path: Path
-) -> None:
-    """Two workers (one a node) and the driver write through an endpoint passing WRITE_RATE
-    PUTs a second to the store's prefix: the job completes, each sample stored once with the
-    HF reference's rows, and the report counts the throttled PUTs of the shards."""
-    rows = write_prompts(tmp_path / "prompts.jsonl", 12)
-    url = s3.url(f"{tmp_path.name}/throttled.zarr")
-    log: list[str] = []
-    with ThrottlingProxy(s3.endpoint, write_rate=WRITE_RATE) as proxy:
-        raw = job_config(deepseek_path, tmp_path / "prompts.jsonl", url, tmp_path)
-        options = through(proxy, s3)
-        options["client_options"] = {"timeout": "10s"}  # write bound 30 + 1 + 10 s: margin 56
-        raw["store"]["storage_options"] = options
-        raw["queue"]["lease_s"] = 120
-        assert Driver(parse_config(raw), say=log.append).run() == 0, "\n".join(log)[-6000:]
-    store = Store.open(url, storage_options=s3.options)
-    assert_exactly_once(store, rows, deepseek_path)
-    assert_store_matches_reference(store, deepseek_path, list(range(len(store.shards))))
-    report = store.group.attrs["report"]
-    shards = [store.summary(k)["throttled_requests"] for k in range(len(store.shards))]
-    assert report["throttled_requests"] == sum(shards) > 0
-    # The driver's PUTs, the summaries' and the markers' are throttled too, but not in the report.
-    assert sum(shards) <= proxy.throttled["PUT"]
-    assert f"throttled requests     {sum(shards)} (503 SlowDown, retried)" in "\n".join(log)
