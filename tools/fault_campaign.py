@@ -75,6 +75,7 @@ DTYPE = "float32"  # served and stored exactly enough for a plain recompute to j
 LAYERS = [0, 2, 4]
 MAX_SUBMISSIONS = 40
 GENERATED_BUCKET = "campaign-generated"  # versioned: each landed PUT is a version
+LEFTOVER_SETTLE_S = 20.0  # how long leftovers may take to go after a job, before they count
 
 KINDS = (
     "kill_worker",
@@ -257,12 +258,22 @@ class Campaign:
         self.run_job(job, config)
         self.wait_servers_gone()
         self.check_store(job)
-        self.outcome.leftovers += sorted(
-            (our_shm_files() - shm_before)
-            | {str(p) for p in self.dump_root.path.iterdir()}
-            | {str(p) for p in (job.work / "logs").glob("*")}
-            | (our_temp_entries() - temp_before)
-        )
+
+        def left() -> set[str]:
+            return (
+                (our_shm_files() - shm_before)
+                | {str(p) for p in self.dump_root.path.iterdir()}
+                | {str(p) for p in (job.work / "logs").glob("*")}
+                | (our_temp_entries() - temp_before)
+            )
+
+        # What is still there once the node has settled: the end-of-job sweep removes an unheld
+        # segment only once it is 5 s old (actors/process_group.py), a resource tracker its
+        # semaphores once its clients are gone.
+        deadline = time.monotonic() + LEFTOVER_SETTLE_S
+        while (found := left()) and time.monotonic() < deadline:
+            time.sleep(1.0)
+        self.outcome.leftovers += sorted(found)
         self.say(f"== job {plan.name}: {time.monotonic() - started:.0f} s")
 
     def write_config(self, job: Job) -> Path:
