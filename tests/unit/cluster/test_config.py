@@ -291,12 +291,7 @@ def test_the_default_layers_are_kept_where_they_fit_and_the_cli_names_the_field(
         model = model_dir(tmp_path / f"m{layers}", **arch, hidden_size=64)
         assert parse_config(job(model, tmp_path, None)).model.aux_layer_ids is None
     # The tiny DeepseekV3 has 4 layers: `run` and `run --dry-run` exit 2, before a store.
-    given = job(deepseek_path, tmp_path, None)
-    args = ["run", "--model", str(deepseek_path), "--data", given["data"]["paths"][0]]
-    args += ["--store", given["store"]["url"], "--set", "data.max_length=256"]
-    for dry in ([], ["--dry-run"]):
-        assert cli_main([*args, *dry]) == 2
-        err = capsys.readouterr().err
+    for err in run_and_dry_run_errors(deepseek_path, tmp_path, "data.max_length=256", capsys):
         assert "error: invalid job config:\n  model.aux_layer_ids: null means SGLang's" in err
         assert "e.g. [0, 1, 3] (indices [0, 1, 3])" in err
     assert not (tmp_path / "s.zarr").exists()
@@ -365,12 +360,7 @@ def test_max_length_and_max_new_tokens_are_held_to_what_the_models_server_takes(
         config(4089, generate={"max_new_tokens": 4089})
 
     # The command line, run and dry-run alike: exit 2 naming the field, before a store exists.
-    given = job(llama_path, tmp_path, None)
-    args = ["run", "--model", str(llama_path), "--data", given["data"]["paths"][0]]
-    args += ["--store", given["store"]["url"], "--set", "data.max_length=8192"]
-    for dry in ([], ["--dry-run"]):
-        assert cli_main([*args, *dry]) == 2
-        err = capsys.readouterr().err
+    for err in run_and_dry_run_errors(llama_path, tmp_path, "data.max_length=8192", capsys):
         assert "error: invalid job config:\n  data.max_length: 8192 tokens is more than" in err
     assert not (tmp_path / "s.zarr").exists()
 
@@ -422,3 +412,17 @@ def test_the_context_length_is_the_one_sglang_derives(
         sglang = get_context_length(get_hf_text_config(AutoConfig.from_pretrained(model)))
         assert context_length(config)[0] == sglang, name
         assert sglang == (4096 if name == "deepseek" else expected), name
+
+
+def run_and_dry_run_errors(
+    model: Path, tmp_path: Path, setting: str, capsys: pytest.CaptureFixture
+) -> list[str]:
+    """What `run` and `run --dry-run` print on the model's job with `setting`, each exiting 2."""
+    given = job(model, tmp_path, None)
+    args = ["run", "--model", str(model), "--data", given["data"]["paths"][0]]
+    args += ["--store", given["store"]["url"], "--set", setting]
+    errors = []
+    for dry in ([], ["--dry-run"]):
+        assert cli_main([*args, *dry]) == 2
+        errors.append(capsys.readouterr().err)
+    return errors
