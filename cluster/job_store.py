@@ -38,13 +38,12 @@ from cluster.plan import (
     chat_template_text,
     source_hashes,
 )
-from hsx_store.builder import StoreBuilder
+from hsx_store.builder import StoreBuilder, require_empty
 from hsx_store.format import Manifest, Shard, Store, StoreIncomplete, make_manifest, stored_arrays
 from hsx_store.layers import LayerIdsError, ModelConfigError, expected_capture
 from hsx_store.location import (
     StoreAccessError,
     describe_failure,
-    first_key,
     is_remote,
     open_location,
 )
@@ -219,14 +218,8 @@ def probe_location(url: str, options: dict[str, Any]) -> tuple[Store | None, boo
         pass
     except StoreIncomplete:
         return None, True
-    try:
-        existing = first_key(open_location(url, options, read_only=True))
-    except obstore.exceptions.BaseError as exc:
-        raise StoreAccessError(describe_failure(url, exc, options)) from None
-    if existing is not None:  # as StoreBuilder.create refuses it, before any planning here
-        raise StoreAccessError(
-            f"{url}: not empty (it holds {existing!r}): a new store needs an empty location"
-        )
+    # as StoreBuilder.create refuses it, before any planning here
+    require_empty(open_location(url, options, read_only=True), url, options)
     return None, False
 
 

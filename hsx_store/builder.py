@@ -75,14 +75,7 @@ class StoreBuilder:
         creation was interrupted)."""
         location = open_location(url, storage_options)
         if not overwrite:
-            try:
-                existing = first_key(location)
-            except obstore.exceptions.BaseError as exc:  # no bucket, refused credentials, ...
-                raise StoreAccessError(describe_failure(url, exc, storage_options)) from None
-            if existing is not None:
-                raise StoreAccessError(
-                    f"{url}: not empty (it holds {existing!r}): a new store needs an empty location"
-                )
+            require_empty(location, url, storage_options)
         m = manifest
         # `store_id`: new at every creation, so what was made from an earlier store at the
         # same URL (an export) can tell this one apart even with the same manifest and job.
@@ -251,3 +244,16 @@ class StoreBuilder:
                     continue
                 # No deletes: nothing lies beyond, and zarr would list every chunk to find out.
                 sync(array.async_array.resize((want, *array.shape[1:]), False))
+
+
+def require_empty(location: Any, url: str, storage_options: Mapping[str, Any] | None) -> None:
+    """Raise StoreAccessError naming `url` unless the location holds nothing: a new store needs
+    an empty one (no bucket and refused credentials are named too)."""
+    try:
+        existing = first_key(location)
+    except obstore.exceptions.BaseError as exc:  # no bucket, refused credentials, ...
+        raise StoreAccessError(describe_failure(url, exc, storage_options)) from None
+    if existing is not None:
+        raise StoreAccessError(
+            f"{url}: not empty (it holds {existing!r}): a new store needs an empty location"
+        )
