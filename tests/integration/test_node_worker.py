@@ -75,7 +75,10 @@ def test_worker_writes_two_shards_matching_reference_and_plan_through_a_server_r
     assert rank_folders == {"dp0", "dp1", "1/dp0", "1/dp1"}, "both DP ranks, both servers"
     summaries.sort(key=lambda s: s["shard"])
     assert [s["shard"] for s in summaries] == [0, 1]
-    assert [s["server_restarts"] for s in summaries] == [1, 1], "one, in shard 0 (a count)"
+    # A count, carried across shards: 1 from the shard the kill fell in. That is shard 0 unless
+    # shard 0's last samples were written between the status poll and the kill.
+    restarts = [s["server_restarts"] for s in summaries]
+    assert restarts in ([1, 1], [0, 1]), "one restart, counted from the shard it fell in"
     assert all(s["written"] == 5 and not s["failed"] for s in summaries)
     assert ray.get(queue.status.remote()).finished
     store = Store.open(tmp_path / "store.zarr")
