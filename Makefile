@@ -77,6 +77,7 @@ docs: setup
 lint: setup
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
+	$(VENV)/bin/lint-imports --no-cache
 
 clean:
 	rm -rf $(VENV) $(TRAINERS_VENV) .cache out build hsx_kernels/*.so

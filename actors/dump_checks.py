@@ -6,16 +6,14 @@ report and the values themselves must all agree with the planned sample.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 import torch
 
+from actors.calibration_result import Calibration
 from hsx_store.format import Manifest
 from hsx_store.fp8 import invalid_rows, scale_name
-
-if TYPE_CHECKING:  # calibration checks its probe's states here
-    from actors.calibration import Calibration
 
 
 class DumpMismatch(ValueError):

@@ -33,7 +33,8 @@ import torch
 from safetensors import safe_open
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from hsx_store.fp8 import quantize, quantize_rows_fast
+from hsx_store.fp8 import quantize
+from hsx_store.fp8_fast import quantize_rows_fast
 from patches.dump_files import read_dump, release_dump
 from patches.dump_writer import DumpWriter
 from patches.host_regions import populate

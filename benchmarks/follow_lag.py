@@ -28,7 +28,7 @@ import torch
 
 from actors.shard_writer import ShardWriter
 from benchmarks.reader_vs_raw_read import stand_in_manifest
-from hsx_store.format import create_store
+from hsx_store.builder import create_store
 from hsx_store.reader import HiddenStatesIterable
 from tools.s3_server import s3_server
 

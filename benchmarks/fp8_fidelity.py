@@ -32,7 +32,8 @@ import torch
 from actors.capture_client import generate_and_capture, wait_for_dump
 from actors.sglang_server import ServerSpec, SGLangServer
 from actors.shard_writer import ShardWriter
-from hsx_store.format import Store, create_store, make_manifest, stored_arrays
+from hsx_store.builder import create_store
+from hsx_store.format import Store, make_manifest, stored_arrays
 from hsx_store.fp8 import FP8_DTYPE, Fp8Rows, scale_name
 from hsx_store.layers import expected_capture
 from hsx_store.reader import HiddenStatesIterable

@@ -26,7 +26,8 @@ from actors.shard_writer import ShardWriter
 from benchmarks.rounds import alternate
 from benchmarks.writer_vs_tofile import make_samples
 from hsx_store.buffers import page_aligned_empty
-from hsx_store.format import DEFAULT_CODEC, Manifest, create_store, make_manifest
+from hsx_store.builder import create_store
+from hsx_store.format import DEFAULT_CODEC, Manifest, make_manifest
 from hsx_store.reader import HiddenStatesIterable
 
 TARGET = 0.8

@@ -19,7 +19,8 @@ from benchmarks.report import parse_result, parse_skip, to_row, write_report
 
 HERE = Path(__file__).parent
 OUT = HERE.parent / "out" / "bench"
-NOT_BENCHMARKS = {"__init__", "run", "report", "rounds"}  # helpers, not benchmarks
+# Helpers, and a measurement with no target (s3_request_rate): not benchmarks.
+NOT_BENCHMARKS = {"__init__", "run", "report", "rounds", "s3_request_rate"}
 
 __all__ = ["main", "parse_result"]
 

@@ -24,14 +24,8 @@ import obstore
 from actors.shard_writer import ShardWriter
 from benchmarks.rounds import alternate
 from benchmarks.writer_vs_tofile import Samples, bench_manifest, make_samples, payload_bytes
-from hsx_store.format import (
-    DEFAULT_CODEC,
-    Manifest,
-    Store,
-    create_store,
-    default_chunk_tokens,
-    layout,
-)
+from hsx_store.builder import create_store
+from hsx_store.format import DEFAULT_CODEC, Manifest, Store, default_chunk_tokens, layout
 from hsx_store.location import open_location
 from tools.s3_server import S3Server, s3_server
 

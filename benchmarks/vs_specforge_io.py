@@ -30,13 +30,14 @@ from typing import Any
 import numpy as np
 import torch
 
-from actors.calibration import Calibration
+from actors.calibration_result import Calibration
 from actors.config import StoreConfig
 from actors.dump_checks import check_dump
 from actors.shard_writer import ShardWriter
 from benchmarks.reader_vs_raw_read import stand_in_manifest
 from benchmarks.rounds import Rounds, alternate
-from hsx_store.format import HIDDEN_ARRAYS, Store, create_store, layout
+from hsx_store.builder import create_store
+from hsx_store.format import HIDDEN_ARRAYS, Store, layout
 from hsx_store.reader import HiddenStatesIterable
 
 try:  # the peer's reader, imported from its release (requirements/bench.txt)

@@ -30,7 +30,8 @@ from actors.node_worker import NodeWorker
 from actors.sglang_server import ServerSpec, SGLangServer
 from benchmarks.rounds import alternate
 from cluster.shard_queue import ShardQueueActor
-from hsx_store.format import create_store, make_manifest
+from hsx_store.builder import create_store
+from hsx_store.format import make_manifest
 from hsx_store.layers import expected_capture
 from patches.settings import CaptureSettings
 from tools.ray_head import local_ray

@@ -30,12 +30,12 @@ import torch
 
 from actors.shard_writer import ShardWriter
 from benchmarks.rounds import Rounds, alternate
+from hsx_store.builder import create_store
 from hsx_store.format import (
     DEFAULT_CODEC,
     SCHEMA_VERSION,
     Manifest,
     Store,
-    create_store,
     default_chunk_tokens,
     layout,
 )

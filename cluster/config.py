@@ -4,7 +4,8 @@
 
 Every field has a default except `model.path`, `data.paths` and `store.url`; unknown fields
 are errors; errors name the field. Relative paths resolve against the current directory, except
-in a job `ray job submit` started: there they are refused (see resolve_paths).
+in a job `ray job submit` started: there they are refused (see resolve_paths). The config is
+then held to its model's config.json (fit_to_model: the aux layers, the longest request).
 Reference (generated from the field docstrings): docs/configuration.md.
 """
 
@@ -18,7 +19,8 @@ import yaml
 from pydantic import Field, ValidationError, model_validator
 
 from actors.config import Section, WorkerJobConfig
-from cluster.model_limits import fit_to_model
+from cluster.model_limits import longest_input
+from hsx_store.layers import LayerIdsError, ModelConfigError, model_config, resolve_layer_ids
 from hsx_store.location import OBSTORE_MAX_BACKOFF, duration_s, is_remote, obstore_options
 
 
@@ -217,6 +219,44 @@ def resolve_paths(raw: dict[str, Any], cwd: Path, submitted: bool) -> list[str]:
             else:
                 values[field] = resolve(where, value, written)
     return problems
+
+
+def fit_to_model(config: JobConfig) -> tuple[JobConfig, list[str]]:
+    """`config` held to its model, before a store, Ray or a server exists: a default
+    `data.max_length` lowered to the longest request the model's server takes, where that is
+    less (a model of 4096 tokens of context takes 4089; one given explicitly is refused
+    instead); and what of it the server would refuse or get wrong, one line per field. Only a
+    readable config.json is held to here: a missing or broken one is named by the checks that
+    need it (the store's manifest, cluster/job_store.py; `run --dry-run`)."""
+    try:
+        model = model_config(Path(config.model.path))
+    except ModelConfigError:
+        return config, []
+    problems = []
+    try:
+        resolve_layer_ids(model, config.model.aux_layer_ids)
+    except LayerIdsError as exc:
+        problems.append(f"model.aux_layer_ids: {exc}")
+    except ModelConfigError:
+        pass  # no layer count: named with model.path where the capture is sized
+    limit = longest_input(config.server, model)
+    if isinstance(limit, str):
+        return config, [*problems, limit]
+    most, why = limit
+    if config.data.max_length > most and "max_length" not in config.data.model_fields_set:
+        data = config.data.model_copy(update={"max_length": most})
+        config = config.model_copy(update={"data": data})
+    if config.data.max_length > most:
+        problems.append(
+            f"data.max_length: {config.data.max_length} tokens is more than the model's server "
+            f"takes in one request, {most} ({why}); set it to at most {most}"
+        )
+    if config.generate is not None and config.generate.max_new_tokens >= most:
+        problems.append(
+            f"generate.max_new_tokens: {config.generate.max_new_tokens} leaves no room for a "
+            f"prompt in the {most} tokens the model's server takes in one request ({why})"
+        )
+    return config, problems
 
 
 def parse_config(raw: Any) -> JobConfig:

@@ -22,18 +22,18 @@ from __future__ import annotations
 import hashlib
 import threading
 import time
-from collections import Counter, deque
+from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 import ray
 
 from cluster.config import JobConfig
+from cluster.generation_stats import GenerationStats
 from cluster.job_store import describe_plan, no_usable_samples
 from cluster.plan import PartEnd, PlanError, PlanStream, Reject, Sample
-from cluster.report import covered_seconds
 from hsx_store.builder import StoreBuilder
 from hsx_store.format import Shard
 from hsx_store.generated import GeneratedParts, closed_turn
@@ -51,37 +51,6 @@ def response_seed(job_seed: int, sample_id: str) -> int:
 def sample_ids(prompt_id: str, n: int) -> list[str]:
     """The samples of one prompt: its own id when n is 1, else `<id>#0` ... `<id>#<n-1>`."""
     return [prompt_id] if n == 1 else [f"{prompt_id}#{k}" for k in range(n)]
-
-
-@dataclass
-class GenerationStats:
-    """What the report says of the generation (counted as the driver plans responses)."""
-
-    prompts: int = 0
-    parts: int = 0  # queued (or kept from an earlier run) so far
-    parts_done: int = 0  # whose responses are planned
-    reused_parts: int = 0  # parts whose responses a former run left (not generated again)
-    responses: int = 0
-    generated_tokens: int = 0
-    # Each generated part's wall-clock [start, end], any worker's: the rate is over their union.
-    generate_spans: list[tuple[float, float]] = field(default_factory=list)
-    finish_reasons: Counter[str] = field(default_factory=Counter)
-    rejected: int = 0
-
-    def to_json(self) -> dict[str, Any]:
-        seconds = covered_seconds(self.generate_spans)
-        rate = self.generated_tokens / seconds if seconds else None
-        return {
-            "prompts": self.prompts,
-            "parts": self.parts,
-            "parts_done": self.parts_done,
-            "reused_parts": self.reused_parts,
-            "responses": self.responses,
-            "generated_tokens": self.generated_tokens,
-            "generated_tokens_per_s": None if rate is None else round(rate, 1),
-            "finish_reasons": dict(self.finish_reasons),
-            "rejected": self.rejected,
-        }
 
 
 @dataclass

@@ -1,23 +1,17 @@
-"""The job config held to its model when the config is read, before a store, Ray or a server
-exists: the aux layers SGLang would capture, and the longest request its server takes.
+"""What a model's SGLang server takes, read from its config.json before a store, Ray or a server
+exists: its context length as SGLang derives it, and the longest request its server takes.
 
-    config, problems = fit_to_model(config)   # problems: ["data.max_length: ...", ...]
+    longest_input(config.server, model_config(path))   # (4089, "context length 4096, ...")
 
-A `data.max_length` left at its default is lowered to the longest request where that is less
-(a model of 4096 tokens of context takes 4089); one given explicitly is refused instead.
-
-Only a readable config.json is held to here: a missing or broken one is named by the checks
-that need it (the store's manifest, cluster/job_store.py; `run --dry-run`).
+The job config is held to these when it is read (cluster/config.py `fit_to_model`).
 """
 
 from __future__ import annotations
 
 import os
-from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-if TYPE_CHECKING:
-    from cluster.config import JobConfig
+from actors.config import ServerConfig
 
 # SGLang 0.5.23 takes an input of at most context_length - 7 tokens: its scheduler refuses
 # len >= max_req_input_len = min(context_length, KV pool) - 1 - 5 (managers/tp_worker.py,
@@ -88,10 +82,10 @@ def flag_value(args: list[str], flag: str) -> str | None:
     return value
 
 
-def longest_input(config: JobConfig, model: dict[str, Any]) -> tuple[int, str] | str:
+def longest_input(server: ServerConfig, model: dict[str, Any]) -> tuple[int, str] | str:
     """The most tokens one request to the job's servers may hold, and why; or the problem."""
     context, source = context_length(model)
-    given = flag_value(config.server.extra_args, "--context-length")
+    given = flag_value(server.extra_args, "--context-length")
     if given is not None:
         if not given.isdigit():
             return f"server.extra_args: --context-length {given!r} is not a number of tokens"
@@ -103,47 +97,8 @@ def longest_input(config: JobConfig, model: dict[str, Any]) -> tuple[int, str] |
             )
         context, source = int(given), "--context-length in server.extra_args"
     limits = [(context, f"context length {context}, {source}")]
-    if config.server.max_total_tokens is not None:
-        total = config.server.max_total_tokens
+    if server.max_total_tokens is not None:
+        total = server.max_total_tokens
         limits.append((total, f"KV cache of server.max_total_tokens {total}"))
     size, why = min(limits)
     return size - SGLANG_INPUT_MARGIN, f"{why}, less the {SGLANG_INPUT_MARGIN} SGLang keeps"
-
-
-def fit_to_model(config: JobConfig) -> tuple[JobConfig, list[str]]:
-    """`config` with a default `data.max_length` lowered to the longest request the model's
-    server takes, where that is less; and what of it the server would refuse or get wrong, one
-    line per field."""
-    # Imported here: hsx_store.layers brings torch (patches/dump_files.py), which the modules
-    # that import cluster.config (the planners among them) need not pay for.
-    from hsx_store.layers import LayerIdsError, ModelConfigError, model_config, resolve_layer_ids
-
-    try:
-        model = model_config(Path(config.model.path))
-    except ModelConfigError:
-        return config, []
-    problems = []
-    try:
-        resolve_layer_ids(model, config.model.aux_layer_ids)
-    except LayerIdsError as exc:
-        problems.append(f"model.aux_layer_ids: {exc}")
-    except ModelConfigError:
-        pass  # no layer count: named with model.path where the capture is sized
-    limit = longest_input(config, model)
-    if isinstance(limit, str):
-        return config, [*problems, limit]
-    most, why = limit
-    if config.data.max_length > most and "max_length" not in config.data.model_fields_set:
-        data = config.data.model_copy(update={"max_length": most})
-        config = config.model_copy(update={"data": data})
-    if config.data.max_length > most:
-        problems.append(
-            f"data.max_length: {config.data.max_length} tokens is more than the model's server "
-            f"takes in one request, {most} ({why}); set it to at most {most}"
-        )
-    if config.generate is not None and config.generate.max_new_tokens >= most:
-        problems.append(
-            f"generate.max_new_tokens: {config.generate.max_new_tokens} leaves no room for a "
-            f"prompt in the {most} tokens the model's server takes in one request ({why})"
-        )
-    return config, problems

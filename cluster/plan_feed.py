@@ -13,7 +13,8 @@ from typing import Any
 import ray
 
 from cluster.config import JobConfig
-from cluster.generation_feed import GenerationStats, generate_into
+from cluster.generation_feed import generate_into
+from cluster.generation_stats import GenerationStats
 from cluster.job_store import plan_into
 from cluster.report import ProgressMeter
 from hsx_store.builder import StoreBuilder

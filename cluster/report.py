@@ -7,30 +7,15 @@ reader gets, and a resumed job reports on every shard, whichever run committed i
 from __future__ import annotations
 
 import datetime
-import math
 import time
 from collections import defaultdict
-from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 
+from cluster.generation_stats import GenerationStats
 from hsx_store.format import STATUS_WRITTEN, Store
-
-if TYPE_CHECKING:  # the feed imports this module's users
-    from cluster.generation_feed import GenerationStats
-
-
-def covered_seconds(spans: Iterable[tuple[float, float]]) -> float:
-    """The wall time during which at least one of the [start, end] spans ran (their union):
-    spans that overlap, parts generated at once by one worker or by many, count once."""
-    total, reach = 0.0, -math.inf
-    for start, end in sorted(spans):
-        if end > reach:
-            total += end - max(start, reach)
-            reach = end
-    return total
 
 
 def _duration(seconds: float) -> str:

@@ -9,7 +9,7 @@
 A shard is planned exactly when its `shard_plan_sha256` entry is there (written after its rows);
 arrays grow ahead in doubling steps (metadata only); `finish` writes `planned` last.
 `StoreBuilder.resume` continues an interrupted plan, checking each stored shard against its
-digest.
+digest. `create_store` plans a store from a whole plan in memory at once (tests, benchmarks).
 
 The order of the writes, and why every state a reader sees is consistent: docs/store-format.md.
 """
@@ -244,6 +244,29 @@ class StoreBuilder:
                     continue
                 # No deletes: nothing lies beyond, and zarr would list every chunk to find out.
                 sync(array.async_array.resize((want, *array.shape[1:]), False))
+
+
+def create_store(
+    url: str | Path,
+    manifest: Manifest,
+    sample_ids: Sequence[str],
+    input_ids: Sequence[np.ndarray],
+    loss_masks: Sequence[np.ndarray],
+    rejected: Sequence[Mapping[str, str]] = (),
+    job: Mapping[str, Any] | None = None,
+    overwrite: bool = False,
+    storage_options: Mapping[str, Any] | None = None,
+) -> Store:
+    """A store planned from a whole plan in memory (tests, tools; the driver streams through
+    `StoreBuilder`). `job`: what the plan was made from, kept for resume checks. Fails if
+    something already exists there, unless `overwrite`."""
+    if not len(sample_ids) == len(input_ids) == len(loss_masks):
+        raise ValueError("sample_ids, input_ids and loss_masks differ in length")
+    builder = StoreBuilder.create(url, manifest, job, overwrite, storage_options)
+    for sample in zip(sample_ids, input_ids, loss_masks, strict=True):
+        builder.add(*sample)
+    builder.finish(rejected)
+    return builder.store
 
 
 def require_empty(location: Any, url: str, storage_options: Mapping[str, Any] | None) -> None:

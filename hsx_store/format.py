@@ -347,31 +347,6 @@ def _compressors(codec: Mapping[str, Any]) -> list[ZstdCodec] | None:
     return [ZstdCodec(level=int(codec.get("level", 1)))] if codec["name"] == "zstd" else None
 
 
-def create_store(
-    url: str | Path,
-    manifest: Manifest,
-    sample_ids: Sequence[str],
-    input_ids: Sequence[np.ndarray],
-    loss_masks: Sequence[np.ndarray],
-    rejected: Sequence[Mapping[str, str]] = (),
-    job: Mapping[str, Any] | None = None,
-    overwrite: bool = False,
-    storage_options: Mapping[str, Any] | None = None,
-) -> Store:
-    """A store planned from a whole plan in memory (tests, tools; the driver streams through
-    hsx_store/builder.py). `job`: what the plan was made from, kept for resume checks. Fails if
-    something already exists there, unless `overwrite`."""
-    from hsx_store.builder import StoreBuilder
-
-    if not len(sample_ids) == len(input_ids) == len(loss_masks):
-        raise ValueError("sample_ids, input_ids and loss_masks differ in length")
-    builder = StoreBuilder.create(url, manifest, job, overwrite, storage_options)
-    for sample in zip(sample_ids, input_ids, loss_masks, strict=True):
-        builder.add(*sample)
-    builder.finish(rejected)
-    return builder.store
-
-
 class _Growing:
     """An int64 array appended to in place, its capacity doubling as it grows."""
 

@@ -5,8 +5,8 @@ A row x is stored as the e4m3 bits of x / s (uint8: zarr 3.1 has no fp8 dtype) a
 row. Scaling is exact, so the only rounding is the one to e4m3 (a row in the top binade, max
 |x| >= 2 ** 127, saturates at 240 so that it never dequantizes to inf).
 
-`quantize_rows` is the definition, in tensor ops on any device; `quantize_rows_fast` gives its
-bytes in one fused pass on a GPU (hsx_store/fp8_cuda.py): the capture plugin runs it.
+`quantize_rows` is the definition, in tensor ops on any device; `quantize_rows_fast`
+(hsx_store/fp8_fast.py) gives its bytes in one fused pass on a GPU: the capture plugin runs it.
 `quantize_into` gives the same bytes on a CPU (a C kernel, hsx_kernels/fp8_cpu.c, where the
 install could build it; else the definition, slower) into the caller's buffers: the shard
 writer's path for bf16 dumps; `quantize` into new arrays, in blocks of rows on the caller's
@@ -84,20 +84,6 @@ def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     scale = torch.where(amax > 0, _pow2(e // 2) * _pow2(e - e // 2), 0.0)
     scale = torch.where(finite, scale, torch.nan).squeeze(-1)
     return scaled.to(torch.float8_e4m3fn), scale
-
-
-def quantize_rows_fast(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """`quantize_rows(x)`, by the fastest path for x: on CUDA the fused Triton kernel
-    (hsx_store/fp8_cuda.py, the same bytes in one pass), elsewhere or without Triton the
-    definition. What the capture plugin runs on its side stream."""
-    if x.is_cuda and x.dtype in (torch.bfloat16, torch.float32):
-        try:
-            from hsx_store.fp8_cuda import MAX_ROW, quantize_rows_cuda
-        except ImportError:  # no Triton
-            return quantize_rows(x)
-        if x.shape[-1] <= MAX_ROW:
-            return quantize_rows_cuda(x)
-    return quantize_rows(x)
 
 
 def quantize(

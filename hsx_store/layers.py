@@ -12,7 +12,12 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from patches.dump_files import LAYER_CONVENTION
+# What a layer id means, in words: a dump's meta.json (written by the capture plugin) and the
+# store's manifest both carry it, so a reader never has to guess the indexing.
+LAYER_CONVENTION = (
+    "aux slot j is the residual stream entering decoder layer layer_ids[j], "
+    "i.e. HF transformers output_hidden_states[layer_ids[j]]"
+)
 
 # Models whose set_eagle3_layers_to_capture takes explicit ids as given unless the first is 1
 # (then every id gets +1): SGLang 0.5.23's deepseek_v2.py, which Kimi-K2.5 delegates to. The

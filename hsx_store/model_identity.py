@@ -14,10 +14,7 @@ from __future__ import annotations
 
 import hashlib
 from pathlib import Path
-from typing import TYPE_CHECKING
-
-if TYPE_CHECKING:
-    from hsx_store.format import Manifest
+from typing import Protocol
 
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf")
 HEAD_BYTES = 1 << 20
@@ -70,7 +67,19 @@ def model_identity(model_dir: str | Path) -> dict[str, str]:
     }
 
 
-def model_mismatches(model_dir: str | Path, manifest: Manifest) -> list[str]:
+class RecordedIdentity(Protocol):
+    """The identity a store recorded of its model: `model_identity`'s fields, as a manifest
+    (hsx_store/format.py `Manifest`) holds them."""
+
+    @property
+    def model_config_hash(self) -> str: ...
+    @property
+    def tokenizer_hash(self) -> str: ...
+    @property
+    def weights_fingerprint(self) -> str | None: ...
+
+
+def model_mismatches(model_dir: str | Path, manifest: RecordedIdentity) -> list[str]:
     """How the model at `model_dir` differs from the one that made the store, each naming the
     field; empty when it is the same model. A schema-2 store recorded no weights fingerprint:
     its weights cannot be told apart."""

@@ -26,8 +26,10 @@ from typing import Any
 
 import torch
 
-from hsx_store.fp8 import quantize_rows_fast, scale_name
-from patches.dump_files import DUMP_FORMAT, DUMP_FORMAT_VERSION, LAYER_CONVENTION, TensorSpecs
+from hsx_store.fp8 import scale_name
+from hsx_store.fp8_fast import quantize_rows_fast
+from hsx_store.layers import LAYER_CONVENTION
+from patches.dump_files import DUMP_FORMAT, DUMP_FORMAT_VERSION, TensorSpecs
 from patches.dump_writer import DumpWriter, PendingDump
 from patches.settings import META_INFO_KEY, CaptureSettings
 

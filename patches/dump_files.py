@@ -30,10 +30,6 @@ TensorSpecs = dict[str, tuple[tuple[int, ...], torch.dtype]]  # name -> (shape, 
 DUMP_FORMAT = "hidden-capture-dump"
 # 2: meta "quantized" ("fp8_e4m3": hidden states as e4m3 values plus `<name>_scale` tensors)
 DUMP_FORMAT_VERSION = 2
-LAYER_CONVENTION = (
-    "aux slot j is the residual stream entering decoder layer layer_ids[j], "
-    "i.e. HF transformers output_hidden_states[layer_ids[j]]"
-)
 
 _ST_DTYPES: dict[torch.dtype, str] = {
     torch.bool: "BOOL",

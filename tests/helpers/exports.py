@@ -9,7 +9,7 @@ import ml_dtypes
 import numpy as np
 import torch
 
-from hsx_store.export import export as export_as_asked
+from hsx_store.export.run import export as export_as_asked
 
 FORMATS = ["specforge", "speculators"]
 

@@ -6,7 +6,7 @@ from pathlib import Path
 from typing import Any
 
 from cluster.verify import verify as verify_command
-from hsx_store.integrity import CHECKS, VerifyReport
+from hsx_store.integrity_report import CHECKS, VerifyReport
 
 
 def verify(path: Path, **kw) -> VerifyReport:

@@ -14,13 +14,8 @@ import torch
 from actors.lease_keeper import LeaseKeeper
 from actors.shard_writer import ShardWriter
 from cluster.shard_queue import ShardQueue
-from hsx_store.builder import StoreBuilder
-from hsx_store.format import (
-    SCHEMA_VERSION,
-    Manifest,
-    Store,
-    create_store,
-)
+from hsx_store.builder import StoreBuilder, create_store
+from hsx_store.format import SCHEMA_VERSION, Manifest, Store
 
 H, NUM_AUX, CHUNK, PER_SHARD = 8, 3, 8, 4
 

@@ -13,8 +13,9 @@ from safetensors.torch import load_file
 
 from actors.node_worker import NodeWorker
 from cluster.shard_queue import ShardQueueActor
-from hsx_store.export import export, sample_path
-from hsx_store.format import Store, create_store, make_manifest
+from hsx_store.builder import create_store
+from hsx_store.export.run import export, sample_path
+from hsx_store.format import Store, make_manifest
 from hsx_store.layers import expected_capture
 from hsx_store.reader import HiddenStatesDataset
 from tests.helpers.hf_reference import TOLERANCE, assert_matches

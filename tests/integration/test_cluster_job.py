@@ -27,6 +27,7 @@ import zarr
 from ray.cluster_utils import Cluster
 
 from cluster import plan_sources
+from cluster.__main__ import main as cli_main
 from cluster.config import parse_config
 from cluster.driver import Driver, _Running, run_job
 from cluster.job_store import manifest_for, open_or_create, plan_into
@@ -34,9 +35,9 @@ from cluster.plan import build_plan
 from cluster.report import ProgressMeter
 from cluster.shard_queue import ShardQueueActor
 from cluster.status import job_status
-from cluster.status import main as status_main
 from cluster.verify import verify
-from hsx_store.format import Store, create_store
+from hsx_store.builder import create_store
+from hsx_store.format import Store
 from hsx_store.reader import COMPLETE, HiddenStatesDataset
 from tests.helpers.example_trainer import EXAMPLE
 from tests.helpers.jobs import (
@@ -168,7 +169,7 @@ def test_status_said_while_the_job_ran_and_after_it_what_the_store_and_report_sa
     assert running["tokens_per_s"]["since_start"] > 0 and running["eta_s"] is None  # planning
     report = Store.open(deepseek_job.url).group.attrs["report"]
     assert_status_is_report(job_status(str(deepseek_job.url)), report)
-    assert status_main(["--store", str(deepseek_job.url)]) == 0
+    assert cli_main(["status", "--store", str(deepseek_job.url)]) == 0
     assert "complete (planning done)" in capsys.readouterr().out
 
 

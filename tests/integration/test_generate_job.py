@@ -21,11 +21,13 @@ import ray
 
 from cluster.config import parse_config
 from cluster.driver import Driver
-from cluster.generation_feed import GenerationStats, generate_into
+from cluster.generation_feed import generate_into
+from cluster.generation_stats import GenerationStats
 from cluster.job_store import open_or_create
 from cluster.shard_queue import ShardQueueActor
 from cluster.verify import verify
-from hsx_store.export import FORMATS, export
+from hsx_store.export.registry import FORMATS
+from hsx_store.export.run import export
 from hsx_store.format import Store
 from hsx_store.generated import GeneratedParts, read_conversations
 from hsx_store.reader import HiddenStatesDataset, HiddenStatesIterable

@@ -20,7 +20,8 @@ from actors.calibration import PROBE_TEXT, CalibrationError, calibrate
 from actors.node_worker import ModelMismatch, NodeWorker
 from actors.sglang_server import ServerError
 from cluster.shard_queue import ShardQueueActor
-from hsx_store.format import Store, create_store, make_manifest, stored_arrays
+from hsx_store.builder import create_store
+from hsx_store.format import Store, make_manifest, stored_arrays
 from hsx_store.layers import expected_capture
 from hsx_store.reader import HiddenStatesDataset
 from tests.helpers.hf_reference import TOLERANCE, assert_matches

@@ -28,7 +28,7 @@ from cluster.__main__ import main
 from cluster.config import parse_config
 from cluster.job_store import open_or_create, plan_into
 from cluster.shard_queue import ShardQueue
-from hsx_store.export import FORMATS
+from hsx_store.export.registry import FORMATS
 from hsx_store.format import Store
 from hsx_store.generated import GeneratedParts
 from hsx_store.integrity import verify_store

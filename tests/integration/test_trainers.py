@@ -22,7 +22,7 @@ from safetensors.torch import load_file
 
 from cluster.config import parse_config
 from cluster.driver import run_job
-from hsx_store.export import export
+from hsx_store.export.run import export
 from hsx_store.format import Store
 from hsx_store.reader import HiddenStatesDataset
 from tests.helpers.hf_reference import reference_model

@@ -27,8 +27,10 @@ from cluster.verify.logprobs import LogprobCheck
 from cluster.verify.model_check import checked_samples
 from cluster.verify.recompute_bound import NOISE_FLOOR, NOISE_MULTIPLE
 from cluster.verify.server import VerifyServer
-from hsx_store.format import Store, create_store, make_manifest
-from hsx_store.integrity import CHECKS, VerifyReport, verify_store
+from hsx_store.builder import create_store
+from hsx_store.format import Store, make_manifest
+from hsx_store.integrity import verify_store
+from hsx_store.integrity_report import CHECKS, VerifyReport
 from hsx_store.layers import expected_capture
 from patches.dump_files import read_dump, release_dump
 from tests.helpers.jobs import FinishedJob, job_config

@@ -70,7 +70,7 @@ import torch
 
 warnings.simplefilter("always")  # every warning counted, not the first from each line only
 import actors.shard_writer, cluster.__main__, cluster.status, cluster.verify
-import hsx_store.export, hsx_store.integrity, hsx_store.reader
+import hsx_store.export.run, hsx_store.integrity, hsx_store.reader
 from hsx_store import fp8
 from tests.helpers.fp8_rows import edge_rows, every_finite_bf16, rows
 

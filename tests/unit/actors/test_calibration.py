@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from actors.calibration import Calibration
+from actors.calibration_result import Calibration
 from patches.capture_hook import CaptureRank
 
 

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from actors import dump_checks
-from actors.calibration import Calibration
+from actors.calibration_result import Calibration
 from actors.dump_checks import DumpMismatch, _first_non_finite_row, check_dump
 from hsx_store.format import Manifest
 from hsx_store.fp8 import quantize_rows, scale_name

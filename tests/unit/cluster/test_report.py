@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import re
 
-from cluster.generation_feed import GenerationStats, _count
-from cluster.report import ProgressMeter, build_report, covered_seconds, format_report
+from cluster.generation_feed import _count
+from cluster.generation_stats import GenerationStats, covered_seconds
+from cluster.report import ProgressMeter, build_report, format_report
 from tests.helpers.synthetic import new_store, write_shard
 
 

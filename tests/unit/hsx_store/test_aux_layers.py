@@ -14,8 +14,9 @@ from safetensors.torch import load_file
 
 from actors.config import MAX_AUX_LAYERS
 from actors.shard_writer import ShardWriter
-from hsx_store.export import export, read_exported, sample_path
-from hsx_store.format import Store, create_store
+from hsx_store.builder import create_store
+from hsx_store.export.run import export, read_exported, sample_path
+from hsx_store.format import Store
 from hsx_store.integrity import verify_store
 from hsx_store.reader import HiddenStatesDataset
 from tests.helpers.synthetic import manifest as store_manifest

@@ -17,7 +17,7 @@ from safetensors.torch import load_file
 from actors.shard_writer import ShardWriter
 from hsx_kernels import fp8_cpu
 from hsx_store import fp8
-from hsx_store.export import export, read_exported, sample_path
+from hsx_store.export.run import export, read_exported, sample_path
 from hsx_store.format import Store
 from hsx_store.fp8 import Fp8Rows, dequantize, invalid_rows, quantize, quantize_rows
 from hsx_store.integrity import verify_store

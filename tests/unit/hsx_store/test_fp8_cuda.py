@@ -7,7 +7,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from hsx_store.fp8 import quantize, quantize_rows, quantize_rows_fast
+from hsx_store.fp8 import quantize, quantize_rows
+from hsx_store.fp8_fast import quantize_rows_fast
 from tests.helpers.fp8_rows import edge_rows, every_value_under_every_scale, rows
 
 

@@ -15,7 +15,7 @@ import zarr
 from actors.lease_keeper import LeaseLost
 from actors.shard_writer import ShardWriter
 from cluster.shard_queue import ShardQueue
-from hsx_store.builder import PlanDiverged, StoreBuilder
+from hsx_store.builder import PlanDiverged, StoreBuilder, create_store
 from hsx_store.format import (
     BF16_ATTR,
     SCHEMA_VERSION,
@@ -23,7 +23,6 @@ from hsx_store.format import (
     Store,
     StoreFormatError,
     StoreIncomplete,
-    create_store,
     layout,
     make_manifest,
 )

@@ -9,8 +9,11 @@ in one object) written a chunk at a time, as the writer completes them, and a sh
 The projection to a node applies the same layout to the Kimi job's shape
 (ray_configs/kimi_k25_job.yaml: prenorm on, 16 samples a shard, up to 8,192 tokens).
 
-    .venv/bin/python -m tools.s3_request_rate      # ~1 min; the figures in
-                                                   # docs/design/object-storage.md
+    .venv/bin/python -m benchmarks.s3_request_rate   # ~1 min; the figures in
+                                                     # docs/design/object-storage.md
+
+A measurement, not a benchmark: no target and no RESULT line, so `make bench` does not run it
+(benchmarks/run.py NOT_BENCHMARKS).
 """
 
 from __future__ import annotations
