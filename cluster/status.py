@@ -1,22 +1,18 @@
-"""`python -m cluster status --store URL [--follow]`: what a store says about its job, from any
-machine that can read it (on S3 too: credentials from the AWS_* environment), while the job runs
-or after it.
+"""What a store says about its job (`python -m cluster status`; its parser: cluster/cli.py),
+from any machine that can read it, while the job runs or after it.
 
 It reads the store alone: the plan, the commit markers and the shard summaries (one read of
 each small per-shard array a look), never the hidden states. Rates come from the summaries'
 wall-clock commit times, so they are the job's, whichever machine asks.
-
-exit 0: the job is complete; 1: not (yet); 2: not a readable store, or a bad command line
 """
 
 from __future__ import annotations
 
-import argparse
 import datetime
 import json
 import sys
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from typing import Any
 
 import numpy as np
@@ -129,47 +125,20 @@ def format_status(status: Mapping[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def positive_seconds(text: str) -> float:
-    """An argparse type: a finite number of seconds above 0 (argparse exits 2 naming the
-    option otherwise)."""
-    try:
-        seconds = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected seconds, got {text!r}") from None
-    if not 0 < seconds < float("inf"):
-        raise argparse.ArgumentTypeError(f"expected seconds above 0, got {text}")
-    return seconds
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
-        prog="python -m cluster status",
-        description=__doc__,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
-    parser.add_argument("--store", required=True, help="the store's path or URL")
-    parser.add_argument(
-        "--follow", action="store_true", help="print it again every --interval s until it ends"
-    )
-    parser.add_argument(
-        "--interval", type=positive_seconds, default=10.0, help="seconds (with --follow)"
-    )
-    parser.add_argument("--json", action="store_true", help="print JSON, one object a look")
-    args = parser.parse_args(sys.argv[1:] if argv is None else list(argv))
+def show_status(url: str, *, follow: bool, interval_s: float, as_json: bool) -> int:
+    """Print the job's status (JSON, one object a look, if `as_json`), again every `interval_s`
+    while it runs if `follow`. Exit status: 0 the job is complete, 1 not (yet), 2 not a
+    readable store."""
     while True:
         try:
-            status = job_status(args.store)
+            status = job_status(url)
         except (FileNotFoundError, GroupNotFoundError):
-            print(f"error: no store at {args.store}", file=sys.stderr, flush=True)
+            print(f"error: no store at {url}", file=sys.stderr, flush=True)
             return 2
         except (StoreFormatError, StoreAccessError) as exc:
             print(f"error: {exc}", file=sys.stderr, flush=True)
             return 2
-        print(json.dumps(status) if args.json else format_status(status), flush=True)
-        if not args.follow or status["state"] != "running":
+        print(json.dumps(status) if as_json else format_status(status), flush=True)
+        if not follow or status["state"] != "running":
             return 0 if status["state"] == "complete" else 1
-        time.sleep(args.interval)
-
-
-if __name__ == "__main__":
-    sys.exit(main())
+        time.sleep(interval_s)

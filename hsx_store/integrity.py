@@ -2,12 +2,12 @@
 `python -m cluster verify` (cluster/verify/command.py); the model checks are in cluster/verify/.
 
 Reads the store (never writes it) and reports every problem it finds, each naming the shard,
-sample or array concerned; it stops early only when the store cannot be opened. Checks, each
-reported OK / FAIL / SKIP by name: manifest, arrays, layout, commits, plan, chunks, values (and
-recompute, logprobs when cluster/verify passes them). A failed manifest check makes the store
-unreadable and skips the rest.
+sample or array concerned, in a VerifyReport (hsx_store/integrity_report.py: its text and exit
+status); it stops early only when the store cannot be opened. Checks, each reported OK / FAIL /
+SKIP by name: manifest, arrays, layout, commits, plan, chunks, values (and recompute, logprobs
+when cluster/verify passes them). A failed manifest check makes the store unreadable and skips
+the rest. The row scans of the chunks and values checks are hsx_store/row_scan.py's.
 
-Exit status (`VerifyReport.exit_code`): 0 no errors, 1 errors, 2 the store cannot be read.
 What each check proves: docs/using-the-data.md.
 """
 
@@ -17,13 +17,11 @@ import contextlib
 import json
 import time
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 import numpy as np
 import zarr
-from zarr.core.sync import sync
 
 from hsx_store.format import (
     PER_SAMPLE_BLOCK,
@@ -42,21 +40,11 @@ from hsx_store.format import (
     plan_digest,
     stored_arrays,
 )
-from hsx_store.fp8 import FP8_DTYPE, invalid_rows, scale_name
+from hsx_store.fp8 import FP8_DTYPE, scale_name
+from hsx_store.integrity_report import CHECKS, VerifyReport
 from hsx_store.location import StoreAccessError, describe_failure
+from hsx_store.row_scan import BLOCK_BYTES, fp8_row_flags, row_bytes, row_flags, stored_chunk_rows
 
-CHECKS = (
-    "manifest",
-    "arrays",
-    "layout",
-    "commits",
-    "plan",
-    "chunks",
-    "values",
-    "recompute",
-    "logprobs",
-)
-BLOCK_BYTES = 128 << 20  # rows of one hidden array read at once by the values check
 MANIFEST_TYPES: dict[str, tuple[type, ...]] = {
     "schema_version": (int,),
     "model": (str,),
@@ -76,118 +64,6 @@ MANIFEST_TYPES: dict[str, tuple[type, ...]] = {
     "chunk_tokens": (int,),
     "samples_per_shard": (int,),
 }
-
-
-@dataclass
-class Finding:
-    level: Literal["error", "warning"]
-    check: str
-    message: str  # names the shard, sample or array
-
-
-@dataclass
-class VerifyReport:
-    findings: list[Finding] = field(default_factory=list)
-    checked: dict[str, Any] = field(default_factory=dict)  # counts, and info lists
-    url: str = ""
-    checks: dict[str, str] = field(default_factory=dict)  # name -> "ran" or "skipped: why"
-    unreadable: bool = False  # the store could not be opened: nothing past "manifest" ran
-
-    @property
-    def ok(self) -> bool:
-        return not any(f.level == "error" for f in self.findings)
-
-    @property
-    def exit_code(self) -> int:
-        return 2 if self.unreadable else 0 if self.ok else 1
-
-    def error(self, check: str, message: str) -> None:
-        self.findings.append(Finding("error", check, message))
-
-    def warning(self, check: str, message: str) -> None:
-        self.findings.append(Finding("warning", check, message))
-
-    def format(self) -> str:
-        lines = [f"store verification: {self.url}"]
-        for name in CHECKS:
-            lines.append(f"  {self._status(name):<5} {name:<10} {self._detail(name)}".rstrip())
-        counts = {k: v for k, v in self.checked.items() if isinstance(v, int | float | str)}
-        if counts:
-            lines.append("checked: " + ", ".join(f"{k} {v}" for k, v in counts.items()))
-        for f in self.findings:
-            lines.append(f"  {f.level.upper()} [{f.check}] {f.message}")
-        for title, key in (("failed samples", "failed"), ("rejected at plan", "rejected")):
-            items = self.checked.get(key) or []
-            if items:
-                lines.append(f"{title} ({len(items)}):")
-                lines += [f"  {r['sample_id']}: {r['reason']}" for r in items[:20]]
-                if len(items) > 20:
-                    lines.append(f"  ... and {len(items) - 20} more")
-        recomputed = self.checked.get("recomputed") or []
-        if recomputed:
-            lines.append(f"recomputed samples ({len(recomputed)}):")
-            lines += [f"  {describe_recompute(r)}" for r in recomputed]
-        logprobs = self.checked.get("logprobs") or []
-        if logprobs:
-            lines.append(f"logprob samples ({len(logprobs)}):")
-            lines += [f"  {describe_logprobs(r)}" for r in logprobs]
-        errors = sum(f.level == "error" for f in self.findings)
-        warnings = len(self.findings) - errors
-        verdict = "UNREADABLE" if self.unreadable else "OK" if self.ok else "FAIL"
-        lines.append(f"result: {verdict} ({errors} errors, {warnings} warnings)")
-        return "\n".join(lines)
-
-    def _detail(self, name: str) -> str:
-        state = self.checks.get(name, "skipped: not run")
-        if state.startswith("skipped"):
-            return f"({state.removeprefix('skipped: ')})"
-        levels = [f.level for f in self.findings if f.check == name]
-        parts = [f"{levels.count(x)} {x}s" for x in ("error", "warning") if x in levels]
-        return f"({', '.join(parts)})" if parts else ""
-
-    def _status(self, name: str) -> str:
-        state = self.checks.get(name, "skipped: not run")
-        if state.startswith("skipped"):
-            return "SKIP"
-        failed = any(f.check == name and f.level == "error" for f in self.findings)
-        return "FAIL" if failed else "OK"
-
-
-def relative(x: float) -> str:
-    """A relative figure: percent, or scientific below 0.1% (float32 bounds are ~1e-5)."""
-    return f"{x:.3%}" if not x < 1e-3 else f"{x:.2e}"
-
-
-def describe_recompute(result: dict[str, Any]) -> str:
-    """One recomputed sample: per hidden array, the stored rows' distance from the nearer fresh
-    recompute, the noise (its own alone vs batched recompute, and pooled over the samples
-    checked), the bound, and the distance from the recompute of the nearest other sample
-    (largest per-row relative RMS each)."""
-    parts = []
-    for name, f in result["arrays"].items():
-        other = (
-            f" sample {f['nearest_other']}'s {relative(f['other_distance'])}"
-            if "nearest_other" in f
-            else ""
-        )
-        parts.append(
-            f"{name.split('_')[0]} {relative(f['distance'])} (noise {relative(f['noise'])}, "
-            f"all {relative(f['pooled_noise'])}, bound {relative(f['bound'])}){other}"
-        )
-    verdict = "ok" if result["ok"] else "FAIL"
-    return f"sample {result['sample']} ({result['sample_id']}): {', '.join(parts)}: {verdict}"
-
-
-def describe_logprobs(result: dict[str, Any]) -> str:
-    """One sample of the logprob check: top-1 agreement (exact, and near-ties counted as
-    agreeing), mean and max absolute error (nats)."""
-    verdict = "ok" if result["ok"] else "FAIL"
-    return (
-        f"sample {result['sample']} ({result['sample_id']}): {result['tokens']} tokens, top-1 "
-        f"{result['top1_agreement']:.1%} ({result['top1_agreement_ties']:.1%} with near-ties), "
-        f"mean |error| {result['mean_error']:.2e}, max "
-        f"{result['max_error']:.2e} at token {result['worst_token']}: {verdict}"
-    )
 
 
 def _sample_name(ids: np.ndarray, i: int) -> str:
@@ -697,7 +573,8 @@ class _Verifier:
                 arr, span = self.g[name], (sh.token_begin, sh.token_end)
                 try:
                     if fp8:
-                        nonfinite, zero = fp8_row_flags(arr, self.g[scale_name(name)], *span)
+                        scales = self.g[scale_name(name)]
+                        nonfinite, zero = fp8_row_flags(arr, scales, *span, block_bytes)
                     else:
                         nonfinite, zero = row_flags(arr, *span, block_bytes)
                 except Exception:
@@ -706,7 +583,7 @@ class _Verifier:
                     continue  # named; the other shards and arrays are still checked
                 self.report_rows(name, sh, nonfinite, zero)
                 rows += sh.token_end - sh.token_begin
-                nbytes += (sh.token_end - sh.token_begin) * _row_bytes(arr)
+                nbytes += (sh.token_end - sh.token_begin) * row_bytes(arr)
         self.report.checked.update(rows_checked=rows, bytes_checked=nbytes)
         return None
 
@@ -731,90 +608,14 @@ class _Verifier:
                 )
 
 
-def stored_chunk_rows(arr: zarr.Array) -> np.ndarray | None:
-    """Which chunk rows (index along axis 0) of an array are stored, from one key listing;
-    None when the store cannot list. Keys are parsed as they stream by, never all held."""
-    path = arr.store_path
-    if not path.store.supports_listing:
-        return None
-    # With a trailing slash: memory/fsspec stores match prefixes as plain strings.
-    prefix = f"{path.path}/" if path.path else ""
-    # zarr 3.1.6's DefaultChunkKeyEncoding.decode_chunk_key cannot parse its own "c/5/0/0"
-    # (it splits "/5/0/0" and fails on the empty first part), so keys are parsed here.
-    sep = arr.metadata.chunk_key_encoding.separator
-    head = f"{prefix}c{sep}"
-    grid = arr.cdata_shape
-    present = np.zeros(grid[0], bool)
-
-    async def scan() -> None:
-        async for key in path.store.list_prefix(prefix):
-            if not key.startswith(head):
-                continue  # zarr.json
-            coords = key[len(head) :].split(sep)
-            if len(coords) == len(grid) and all(c.isdigit() for c in coords):
-                row, rest = int(coords[0]), coords[1:]
-                if row < grid[0] and not any(int(c) for c in rest):
-                    present[row] = True
-
-    sync(scan())
-    return present
-
-
-def _row_bytes(arr: zarr.Array) -> int:
-    return max(1, int(np.prod(arr.shape[1:])) * arr.dtype.itemsize)
-
-
-def row_flags(
-    arr: zarr.Array, start: int, stop: int, block_bytes: int = BLOCK_BYTES
-) -> tuple[np.ndarray, np.ndarray]:
-    """(row holds a non-finite value, row is all zero) for rows start..stop-1, read in
-    chunk-aligned blocks of about `block_bytes`. uint16 arrays hold bf16 bits."""
-    chunk = arr.chunks[0]
-    step = max(chunk, block_bytes // _row_bytes(arr) // chunk * chunk)
-    nonfinite = np.zeros(stop - start, bool)
-    zero = np.zeros(stop - start, bool)
-    for lo in range(start, stop, step):
-        hi = min(stop, lo + step)
-        x = np.asarray(arr[lo:hi]).reshape(hi - lo, -1)
-        if x.dtype == np.uint16:  # bf16: exponent all ones is inf or NaN; +-0 is zero
-            nonfinite[lo - start : hi - start] = ((x & 0x7F80) == 0x7F80).any(axis=1)
-            zero[lo - start : hi - start] = ~(x & 0x7FFF).any(axis=1)
-        else:
-            nonfinite[lo - start : hi - start] = ~np.isfinite(x).all(axis=1)
-            zero[lo - start : hi - start] = ~x.any(axis=1)
-    return nonfinite, zero
-
-
-def fp8_row_flags(
-    values: zarr.Array, scales: zarr.Array, start: int, stop: int, block_bytes: int = BLOCK_BYTES
-) -> tuple[np.ndarray, np.ndarray]:
-    """row_flags of an FP8 hidden array: a row is non-finite where an e4m3 value is NaN or
-    dequantizes beyond float32's range, or its scale is not 0 or a finite positive power of two
-    (hsx_store/fp8.py `invalid_rows`); zero where its scale is 0 or every value is +-0 (the
-    dequantized row is all zero)."""
-    chunk = values.chunks[0]
-    step = max(chunk, block_bytes // _row_bytes(values) // chunk * chunk)
-    nonfinite = np.zeros(stop - start, bool)
-    zero = np.zeros(stop - start, bool)
-    for lo in range(start, stop, step):
-        hi = min(stop, lo + step)
-        bits = np.asarray(values[lo:hi]).reshape(hi - lo, -1, values.shape[-1])
-        scale = np.asarray(scales[lo:hi], np.float32).reshape(hi - lo, -1)
-        bad_value, bad_scale = invalid_rows(bits, scale)
-        nonfinite[lo - start : hi - start] = bad_value | bad_scale
-        zero_layer = (scale == 0) | ~(bits & 0x7F).any(axis=2)
-        zero[lo - start : hi - start] = zero_layer.all(axis=1)
-    return nonfinite, zero
-
-
-RecomputeCheck = Callable[[Store, "VerifyReport"], str | None]
+ModelCheckRun = Callable[[Store, VerifyReport], str | None]  # a skip reason or None
 
 
 def verify_store(
     url: str | Path,
     *,
-    recompute: RecomputeCheck | None = None,
-    logprobs: RecomputeCheck | None = None,
+    recompute: ModelCheckRun | None = None,
+    logprobs: ModelCheckRun | None = None,
     storage_options: Mapping[str, Any] | None = None,
     say: Callable[[str], None] = print,
 ) -> VerifyReport:

@@ -3,6 +3,6 @@ checks (hsx_store/integrity.py) and, given the model, the checks that need it on
 SGLang server (server.py): recompute.py and logprobs.py, whose shared opening is model_check.py.
 Design and measured bounds: docs/design/verify.md."""
 
-from cluster.verify.command import main, verify
+from cluster.verify.command import verify
 
-__all__ = ["main", "verify"]
+__all__ = ["verify"]

@@ -1,13 +1,8 @@
-"""`python -m cluster verify`: the store's integrity checks, plus the model checks with --model.
-
-    python -m cluster verify --store URL [--model PATH --recompute N --logprobs N]
-
-Exit status: 0 no errors, 1 errors, 2 the store cannot be read (or a bad command line).
-"""
+"""`python -m cluster verify` (its parser: cluster/cli.py): the store's integrity checks, plus
+the model checks with a model."""
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import functools
 import sys
@@ -19,7 +14,8 @@ from typing import Any
 from cluster.verify.logprobs import LogprobCheck
 from cluster.verify.recompute import RecomputeCheck
 from cluster.verify.server import VerifyServer
-from hsx_store.integrity import VerifyReport, verify_store
+from hsx_store.integrity import verify_store
+from hsx_store.integrity_report import VerifyReport
 
 
 def verify(
@@ -57,55 +53,30 @@ def verify(
         )
 
 
-# -- command line ------------------------------------------------------------------------------
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
-        prog="python -m cluster verify",
-        description=__doc__,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
-    parser.add_argument("--store", required=True, help="the store's path or URL")
-    parser.add_argument("--model", help="the model directory (for --recompute, --logprobs)")
-    parser.add_argument(
-        "--recompute", type=int, default=0, metavar="N", help="recompute N random written samples"
-    )
-    parser.add_argument(
-        "--logprobs",
-        type=int,
-        default=0,
-        metavar="N",
-        help="check the final states of N random written samples against the server's logprobs",
-    )
-    parser.add_argument("--seed", type=int, default=0, help="picks the checked samples")
-    parser.add_argument("--dump-root", help="where the server's dumps go (default /dev/shm)")
-    parser.add_argument(
-        "--server-arg",
-        dest="server_args",
-        action="append",
-        default=[],
-        metavar="ARG",
-        help="extra SGLang argument, once per word: --server-arg=--dtype --server-arg=float32 "
-        "(--dtype defaults to the store's)",
-    )
-    args = parser.parse_args(sys.argv[1:] if argv is None else list(argv))
-    if (args.recompute > 0 or args.logprobs > 0) and not args.model:
+def verify_command(
+    url: str,
+    *,
+    model_path: str | None,
+    recompute: int,
+    logprobs: int,
+    seed: int,
+    dump_root: str | None,
+    server_args: Sequence[str],
+) -> int:
+    """`verify`, its report printed. Exit status: 0 no errors, 1 errors, 2 the store cannot be
+    read (or the model checks were asked for without a model)."""
+    if (recompute > 0 or logprobs > 0) and not model_path:
         print("error: --recompute and --logprobs need --model", file=sys.stderr)
         return 2
     report = verify(
-        args.store,
-        model_path=args.model,
-        recompute=args.recompute,
-        logprobs=args.logprobs,
-        seed=args.seed,
-        dump_root=args.dump_root,
-        server_args=args.server_args,
+        url,
+        model_path=model_path,
+        recompute=recompute,
+        logprobs=logprobs,
+        seed=seed,
+        dump_root=dump_root,
+        server_args=server_args,
         say=lambda text: print(text, flush=True),
     )
     print(report.format(), flush=True)
     return report.exit_code
-
-
-if __name__ == "__main__":
-    sys.exit(main())

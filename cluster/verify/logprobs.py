@@ -23,7 +23,6 @@ import torch
 
 from cluster.verify.model_check import ModelCheck
 from hsx_store.format import Store
-from hsx_store.integrity import describe_logprobs
 from hsx_store.lm_head import load_lm_head, text_config
 
 if TYPE_CHECKING:
@@ -91,6 +90,17 @@ class LogprobResult:
     max_error: float
     worst_token: int  # the row of the max error
     ok: bool = False
+
+    def describe(self) -> str:
+        """Top-1 agreement (exact, and near-ties counted as agreeing), mean and max absolute
+        error (nats)."""
+        verdict = "ok" if self.ok else "FAIL"
+        return (
+            f"sample {self.sample} ({self.sample_id}): {self.tokens} tokens, top-1 "
+            f"{self.top1_agreement:.1%} ({self.top1_agreement_ties:.1%} with near-ties), "
+            f"mean |error| {self.mean_error:.2e}, max "
+            f"{self.max_error:.2e} at token {self.worst_token}: {verdict}"
+        )
 
 
 def reference_logprobs(
@@ -202,6 +212,7 @@ class LogprobCheck(ModelCheck):
 
     name = "logprobs"
     cannot = "cannot check logprobs"
+    listing = "logprob samples"
 
     def skip_reason(self) -> str | None:
         if self.store.manifest.dtype not in TOLERANCE:
@@ -258,5 +269,5 @@ class LogprobCheck(ModelCheck):
                 f"max {r.max_error:.4g} at token {r.worst_token} (needs <= {b.max_error:g})",
             )
         r = replace(r, ok=ok)
-        self.say(f"logprobs {describe_logprobs(asdict(r))}")
+        self.tell(r.describe())
         return r

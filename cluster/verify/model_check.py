@@ -10,7 +10,7 @@ import numpy as np
 
 from cluster.verify.server import VerifyServer
 from hsx_store.format import STATUS_WRITTEN, Store
-from hsx_store.integrity import VerifyReport
+from hsx_store.integrity_report import VerifyReport
 from hsx_store.model_identity import model_mismatches
 
 
@@ -37,6 +37,7 @@ class ModelCheck:
 
     name: ClassVar[str]  # the check's name in the report, and its flag (--recompute)
     cannot: ClassVar[str]  # how "it could not run at all" reads: "cannot recompute"
+    listing: ClassVar[str]  # the title of its per-sample lines in the report
 
     def __init__(
         self,
@@ -86,6 +87,11 @@ class ModelCheck:
         except Exception as exc:  # no server, failed calibration, no lm_head, ...
             self.report.error(self.name, f"{self.cannot}: {type(exc).__name__}: {exc}")
         return None
+
+    def tell(self, line: str) -> None:
+        """One checked sample's line: said now, and listed in the report."""
+        self.say(f"{self.name} {line}")
+        self.report.list_sample(self.listing, line)
 
     def label(self, i: int) -> str:
         return f"{i} ({self.store.group['sample_id'][i]})"

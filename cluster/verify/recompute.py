@@ -23,9 +23,8 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from cluster.verify.model_check import ModelCheck
-from cluster.verify.recompute_bound import NOISE_FLOOR, Bound, pooled_noise
+from cluster.verify.recompute_bound import NOISE_FLOOR, Bound, pooled_noise, relative
 from hsx_store.fp8 import FP8_DTYPE, dequantize, scale_name
-from hsx_store.integrity import describe_recompute, relative
 
 if TYPE_CHECKING:  # torch is imported where a recompute needs it: plain checks go without
     import torch
@@ -65,6 +64,26 @@ def first_difference(a: np.ndarray, b: np.ndarray) -> int | None:
     return int(differ[0]) if len(differ) else None
 
 
+def describe_recompute(result: dict[str, Any]) -> str:
+    """One recomputed sample (RecomputeCheck.judge's result): per hidden array, the stored
+    rows' distance from the nearer fresh recompute, the noise (its own alone vs batched
+    recompute, and pooled over the samples checked), the bound, and the distance from the
+    recompute of the nearest other sample (largest per-row relative RMS each)."""
+    parts = []
+    for name, f in result["arrays"].items():
+        other = (
+            f" sample {f['nearest_other']}'s {relative(f['other_distance'])}"
+            if "nearest_other" in f
+            else ""
+        )
+        parts.append(
+            f"{name.split('_')[0]} {relative(f['distance'])} (noise {relative(f['noise'])}, "
+            f"all {relative(f['pooled_noise'])}, bound {relative(f['bound'])}){other}"
+        )
+    verdict = "ok" if result["ok"] else "FAIL"
+    return f"sample {result['sample']} ({result['sample_id']}): {', '.join(parts)}: {verdict}"
+
+
 Rows = dict[str, "torch.Tensor"]  # hidden array name -> [T, ..., H]
 
 
@@ -73,6 +92,7 @@ class RecomputeCheck(ModelCheck):
 
     name = "recompute"
     cannot = "cannot recompute"
+    listing = "recomputed samples"
 
     @property
     def arrays(self) -> tuple[str, ...]:
@@ -138,7 +158,7 @@ class RecomputeCheck(ModelCheck):
             results.append(self.judge(i, measured[i], pooled, len(measured)))
         self.cross_check(alone, {r["sample"]: r for r in results})
         for result in results:
-            self.say(f"recompute {describe_recompute(result)}")
+            self.tell(describe_recompute(result))
 
     def batched(self, server: SGLangServer, samples: list[int]) -> Iterator[tuple[int, Rows]]:
         """Every sample sent at once (a lone one with a copy of itself as its company)."""

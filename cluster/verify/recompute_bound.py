@@ -18,7 +18,6 @@ from dataclasses import dataclass
 import numpy as np
 
 from hsx_store.fp8 import FP8_DTYPE
-from hsx_store.integrity import relative
 
 # Measured in bf16 on CPU, `--chunked-prefill-size 16`, 8 samples (docs/design/verify.md): on
 # llama-tiny noise 0..1.1% and the job's rows <= 1.16% from the nearer recompute (2.9 x the noise
@@ -36,6 +35,11 @@ NOISE_FLOOR = {"bfloat16": 1e-2, "float32": 1e-5, FP8_DTYPE: 2e-2}
 # The upper quartile, not the largest: one sample whose two recomputes differ far more than the
 # rest (an MoE routing near-tie flipped between them) widens its own bound, not every sample's.
 POOLED_QUANTILE = 0.75
+
+
+def relative(x: float) -> str:
+    """A relative figure: percent, or scientific below 0.1% (float32 bounds are ~1e-5)."""
+    return f"{x:.3%}" if not x < 1e-3 else f"{x:.2e}"
 
 
 def pooled_noise(noises: Iterable[float]) -> float:

@@ -9,8 +9,10 @@ from pathlib import Path
 
 import pytest
 
+from cluster.__main__ import main
+from cluster.cli import positive_seconds
 from cluster.report import build_report
-from cluster.status import RECENT_S, job_status, main, positive_seconds
+from cluster.status import RECENT_S, job_status
 from hsx_store.format import Store
 from tests.helpers.reports import assert_status_is_report
 from tests.helpers.synthetic import new_store, plan, write_shard
@@ -62,7 +64,7 @@ def test_status_of_a_complete_job_equals_its_report_and_a_short_run_says_it_ende
     store.group.attrs["report"] = build_report(store, {"seconds": 6.0})
     status = job_status(url)
     assert status["state"] == "ended" and status["last_run"]["ok"] is False
-    assert main(["--store", url]) == 1
+    assert main(["status", "--store", url]) == 1
     assert "ended (planning done)" in capsys.readouterr().out
 
     for k in (1, 2):
@@ -70,7 +72,7 @@ def test_status_of_a_complete_job_equals_its_report_and_a_short_run_says_it_ende
     report = build_report(store, {"seconds": 1.0})
     store.group.attrs["report"] = report
     assert_status_is_report(job_status(url), report)
-    assert main(["--store", url, "--follow"]) == 0  # complete: it does not wait
+    assert main(["status", "--store", url, "--follow"]) == 0  # complete: it does not wait
     out = capsys.readouterr().out
     assert "complete (planning done)" in out and "11 / 11 written, 0 failed" in out
 
@@ -78,7 +80,7 @@ def test_status_of_a_complete_job_equals_its_report_and_a_short_run_says_it_ende
 def test_status_of_no_store_exits_2_naming_it(
     tmp_path: Path, capsys: pytest.CaptureFixture
 ) -> None:
-    assert main(["--store", str(tmp_path / "nothing.zarr")]) == 2
+    assert main(["status", "--store", str(tmp_path / "nothing.zarr")]) == 2
     assert f"no store at {tmp_path / 'nothing.zarr'}" in capsys.readouterr().err
 
 
@@ -95,10 +97,10 @@ def test_status_of_a_store_with_a_damaged_zarr_json_exits_2_naming_it(
 ) -> None:
     url = str(tmp_path / "s.zarr")
     new_store(url)
-    assert main(["--store", url]) == 1  # intact: read, and not complete
+    assert main(["status", "--store", url]) == 1  # intact: read, and not complete
     capsys.readouterr()
     (Path(url) / node / "zarr.json").write_text(text)
-    assert main(["--store", url]) == 2
+    assert main(["status", "--store", url]) == 2
     err = capsys.readouterr().err
     assert f"{Path(url, node)}/zarr.json is damaged" in err and "Traceback" not in err
 
@@ -110,7 +112,7 @@ def test_a_follow_interval_that_is_not_positive_seconds_exits_2_naming_it(
     url = str(tmp_path / "s.zarr")
     new_store(url)
     with pytest.raises(SystemExit) as exit:
-        main(["--store", url, "--follow", "--interval", interval])
+        main(["status", "--store", url, "--follow", "--interval", interval])
     assert exit.value.code == 2
     assert "argument --interval: expected seconds" in capsys.readouterr().err
     assert positive_seconds("0.5") == 0.5

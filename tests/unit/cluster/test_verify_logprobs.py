@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from cluster.verify import main
+from cluster.__main__ import main
 from cluster.verify.logprobs import (
     Reference,
     RowLogprobs,
@@ -23,7 +23,7 @@ def test_logits_the_check_does_not_model_are_refused(tmp_path: Path, capsys) -> 
         tmp_path / "m", ["lm_head.weight"], {"final_logit_softcapping": 30.0}, index=False
     )
     assert "['final_logit_softcapping']" in str(unsupported_head(tmp_path / "m"))
-    assert main(["--store", str(tmp_path / "s.zarr"), "--logprobs", "2"]) == 2
+    assert main(["verify", "--store", str(tmp_path / "s.zarr"), "--logprobs", "2"]) == 2
     assert "--logprobs need --model" in capsys.readouterr().err
 
 

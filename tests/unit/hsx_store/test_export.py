@@ -22,16 +22,13 @@ from safetensors import safe_open
 from safetensors.torch import load_file
 
 from actors.shard_writer import ShardWriter
-from hsx_store.export import (
-    ExportConflict,
-    ExportError,
-    _exclusive,
-    main,
-    read_exported,
-    sample_path,
-)
-from hsx_store.export import export as export_as_asked
-from hsx_store.format import create_store
+from cluster.__main__ import main
+from hsx_store.builder import create_store
+from hsx_store.export.base import ExportConflict, ExportError
+from hsx_store.export.files import exclusive
+from hsx_store.export.run import export as export_as_asked
+from hsx_store.export.run import read_exported, sample_path
+from hsx_store.export.specforge import specforge_layers
 from hsx_store.reader import HiddenStatesDataset, HiddenStatesIterable
 from tests.helpers.exports import FORMATS, assert_same, bits, export, exported_files
 from tests.helpers.synthetic import (
@@ -241,7 +238,7 @@ def test_a_directory_of_another_store_format_or_origin_is_refused(
     assert sorted(out.rglob("*")) == before  # nothing written
     with pytest.raises(ExportError, match="a 'specforge' export"):
         read_exported(out, "speculators", 0)
-    with _exclusive(out), pytest.raises(ExportError, match="another export is writing"):
+    with exclusive(out), pytest.raises(ExportError, match="another export is writing"):
         export(url, out, "specforge", say=lambda _: None)
     foreign = tmp_path / "foreign"
     foreign.mkdir()
@@ -293,16 +290,16 @@ def test_cli_exits_0_on_success_1_on_errors_2_without_a_store(
 ) -> None:
     url, visible = store_url
     out = tmp_path / "out"
-    assert main(["--store", url, "--format", "specforge", "--out", str(out)]) == 0
+    assert main(["export", "--store", url, "--format", "specforge", "--out", str(out)]) == 0
     assert len(exported_files(out, "specforge")) == len(visible)
     assert "samples written" in capsys.readouterr().out
-    speculators = ["--store", url, "--format", "speculators", "--out", str(out)]
+    speculators = ["export", "--store", url, "--format", "speculators", "--out", str(out)]
     assert main(speculators) == 1
     assert "--allow-post-norm" in capsys.readouterr().err  # this store has no pre-norm state
     assert main([*speculators, "--allow-post-norm"]) == 1
     assert "another store or format" in capsys.readouterr().err
     missing = str(tmp_path / "missing.zarr")
-    assert main(["--store", missing, "--format", "specforge", "--out", str(out)]) == 2
+    assert main(["export", "--store", missing, "--format", "specforge", "--out", str(out)]) == 2
     assert "does not exist" in capsys.readouterr().err
 
 
@@ -312,21 +309,20 @@ def test_cli_exits_2_naming_a_store_whose_zarr_json_is_damaged(
     url, _ = store_url
     (Path(url) / "zarr.json").write_text('{"attributes": ')
     out = tmp_path / "out"
-    assert main(["--store", url, "--format", "specforge", "--out", str(out)]) == 2
+    assert main(["export", "--store", url, "--format", "specforge", "--out", str(out)]) == 2
     err = capsys.readouterr().err
     assert f"{url}/zarr.json is damaged: zarr cannot read it" in err and not out.exists()
 
 
 def test_specforge_layer_ids_follow_the_model_family(deepseek_path: Path, llama_path: Path) -> None:
     """SpecForge is told the ids SGLang is asked for: Llama adds 1, DeepSeek takes them as given."""
-    from hsx_store.export import _specforge_layers
     from hsx_store.format import make_manifest
     from hsx_store.layers import expected_capture
 
     for path, requested in ((deepseek_path, [0, 1, 3]), (llama_path, [0, 3, 6])):
         capture = expected_capture(path, requested, "bfloat16")
         manifest = make_manifest(str(path), path, capture, max_length=64, samples_per_shard=2)
-        assert _specforge_layers(manifest) == requested
+        assert specforge_layers(manifest) == requested
     assert capture["layer_ids"] == [1, 4, 7]  # Llama: HF indices one above the requested ids
 
 
@@ -400,7 +396,6 @@ def test_a_store_still_being_planned_is_refused_and_an_earlier_partial_export_is
     export added the files of every sample (speculators never reads past the dataset)."""
     import datasets
 
-    from hsx_store import export as export_module
     from hsx_store.format import Store
 
     names, _, masks = plan()
@@ -418,7 +413,7 @@ def test_a_store_still_being_planned_is_refused_and_an_earlier_partial_export_is
         store.planned = True
         return store
 
-    monkeypatch.setattr(export_module.Store, "open", planned_so_far)
+    monkeypatch.setattr(Store, "open", planned_so_far)
     export(str(url), out, "speculators", say=lambda _: None)
     monkeypatch.undo()
     assert len(datasets.load_from_disk(str(out))) == 8

@@ -25,8 +25,9 @@ from torchdata.stateful_dataloader import StatefulDataLoader
 from zarr.storage import LocalStore
 
 from actors.shard_writer import ShardWriter
-from hsx_store.export import read_exported, sample_path
-from hsx_store.format import Store, create_store
+from hsx_store.builder import create_store
+from hsx_store.export.run import read_exported, sample_path
+from hsx_store.format import Store
 from hsx_store.reader import (
     COMPLETE,
     HiddenStatesDataset,
@@ -425,7 +426,7 @@ def test_export_follow_stops_when_its_store_is_replaced_keeping_only_its_files(
     store = new_store(url)
     write_shard(store, 0)
     a, made = store_id(url), []
-    monkeypatch.setattr("hsx_store.export.PROGRESS_EVERY_S", 0.0)
+    monkeypatch.setattr("hsx_store.export.run.PROGRESS_EVERY_S", 0.0)
 
     def say(text: str) -> None:
         if when in text and not made:
