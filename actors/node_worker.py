@@ -3,8 +3,8 @@
     worker = NodeWorker.options(resources={"sglang_node": 1}, num_cpus=0).remote(config, queue)
     summaries = ray.get(worker.run.remote())     # until every shard is done
 
-run(): start the server (on the GPU group Ray gave this worker; CPU flags where there is
-none) -> calibrate ->
+run(): start the server (on the GPU group Ray gave this worker, at the TP size of the
+driver's placement, actors/node_plan.py; CPU flags on a CPU node) -> calibrate ->
 loop: lease a shard -> K requests in flight -> read + verify each dump -> hand rows to the shard
 writer -> claim + commit -> complete the lease. With nothing to lease it waits (a dead worker's
 shards or a straggler may still come its way) until the queue says the job is finished. The
@@ -38,7 +38,8 @@ import requests
 import torch
 from transformers import AutoTokenizer
 
-from actors.calibration import PROBE_TEXT, Calibration, calibrate
+from actors.calibration import PROBE_TEXT, calibrate
+from actors.calibration_result import Calibration
 from actors.capture_client import (
     CaptureError,
     CaptureResponse,
@@ -49,6 +50,7 @@ from actors.config import WorkerConfig, WorkerJobConfig
 from actors.dump_checks import DumpMismatch, check_dump
 from actors.generator import PartGeneration
 from actors.lease_keeper import Lease, LeaseKeeper, LeaseLost, ray_caller
+from actors.node_plan import NodePlan
 from actors.private_folders import HeldFolder, reclaim_abandoned
 from actors.process_group import reclaim_orphan_segments, young_orphan_segments
 from actors.sglang_server import ServerError, ServerSpec, SGLangServer
@@ -109,8 +111,14 @@ class NodeWorker:
         queue: Any,
         worker_id: str | None = None,
         gen_queue: Any = None,
+        plan: NodePlan | None = None,
+        slot: int = 0,
     ) -> None:
+        """`plan`: the placement of its node (the driver's); None, for a worker started on its
+        own: one server on the CPU. `slot`: which of the node's servers it runs."""
         self.job, self.config = job, job.worker
+        self.plan = plan or NodePlan.on_cpu(1, job.server.tp_size)
+        self.slot = slot
         self.queue, self.gen_queue = queue, gen_queue  # gen_queue: parts of prompts (generate:)
         self.id = worker_id or f"{socket.gethostname()}-{os.getpid()}"
         self.store = Store.open(job.store.url, mode="r+", storage_options=job.store.storage_options)
@@ -238,7 +246,7 @@ class NodeWorker:
                 with contextlib.suppress(OSError):  # empty: nothing of it is held any more
                     root.rmdir()
         self.server_dumps = self.dump_dir / f"server-{self.restarts}"
-        on_gpu = torch.cuda.is_available()
+        on_gpu = self.plan.gpus_per_server > 0
         server = self.job.server
         spec = ServerSpec(
             model_path=Path(self.job.model.path),
@@ -251,10 +259,11 @@ class NodeWorker:
                 quantize=self._server_quantizes(),
             ),
             aux_layer_ids=self.job.model.aux_layer_ids,
-            tp_size=self._tp_size(on_gpu),
+            tp_size=self._tp_size(),
             dp_size=server.dp_size,
             max_total_tokens=server.max_total_tokens or (None if on_gpu else 8192),
             extra_args=self.job.server_args(),
+            device="cuda" if on_gpu else "cpu",
         )
         self.server = SGLangServer(spec, self.server_log).start(server.start_timeout_s)
         self.dumps.list_shm_files(self.server.shm_files)  # should this worker be killed
@@ -278,22 +287,29 @@ class NodeWorker:
         quantized = self.calibration is not None and self.calibration.quantized
         return "server" if quantized else "writer"
 
-    def _tp_size(self, on_gpu: bool) -> int:
-        """The server's TP size. Ray pins this worker to its GPU group (num_gpus), so the GPUs
-        it sees, CUDA_VISIBLE_DEVICES inherited by the server, are exactly that group."""
-        tp_size = self.job.server.tp_size
-        if not on_gpu:
-            return tp_size or 1
-        visible, dp = torch.cuda.device_count(), self.job.server.dp_size
-        tp = tp_size or visible // dp
-        if not tp or tp * dp > visible:
-            raise ServerError(
-                f"worker {self.id}: tp_size {tp_size} x dp_size {dp} needs more "
-                f"GPUs than the {visible} it was given (Ray GPU ids {ray.get_gpu_ids()}, "
-                f"CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES')!r})"
+    def _tp_size(self) -> int:
+        """The server's TP size: the placement's (NodePlan). Ray pins this worker to its GPU
+        group (num_gpus), so the GPUs it sees, CUDA_VISIBLE_DEVICES inherited by the server,
+        are that group; seeing fewer is refused here rather than by SGLang mid-start."""
+        plan, dp = self.plan, self.job.server.dp_size
+        if plan.gpus_per_server:
+            visible = torch.cuda.device_count()
+            if visible < plan.gpus_per_server:
+                raise ServerError(
+                    f"worker {self.id}: tp_size {plan.tp_size} x dp_size {dp} needs more "
+                    f"GPUs than the {visible} it was given (Ray GPU ids {ray.get_gpu_ids()}, "
+                    f"CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES')!r})"
+                )
+            logger.info(
+                "worker %s (slot %d of %d): tp %d x dp %d on GPUs %s",
+                self.id,
+                self.slot,
+                plan.servers,
+                plan.tp_size,
+                dp,
+                ray.get_gpu_ids(),
             )
-        logger.info("worker %s: tp %d x dp %d on GPUs %s", self.id, tp, dp, ray.get_gpu_ids())
-        return tp
+        return plan.tp_size
 
     def _restart_server(self) -> None:
         """Bounded attempts with backoff; the last failure carries the server's log tail."""

@@ -7,7 +7,8 @@
 2. one ShardQueueActor with every shard not committed yet; while the plan is incomplete a
    PlanFeed thread streams planned shards into the store and the queue.
 3. one NodeWorker per server slot of every alive node advertising `worker.node_resource`
-   (cluster/placement.py), pinned to the node and its GPUs; nodes that join later get theirs.
+   (cluster/placement.py), pinned to the node and its GPUs and handed the node's plan (its
+   server's TP size); nodes that join later get theirs.
 4. ray.wait on the workers' run() calls: a lost worker's shards are re-queued at once and its
    slot refilled, up to `worker.max_node_failures` times.
 5. when every shard is committed or given up: the final report, in the store and the log.
@@ -22,6 +23,7 @@ import contextlib
 import sys
 import time
 from collections import Counter
+from collections.abc import Hashable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -29,10 +31,11 @@ import ray
 from ray.exceptions import RayActorError, RayError
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
+from actors.node_plan import NodePlan
 from actors.node_worker import NodeWorker, reclaim_after
 from cluster.config import JobConfig
 from cluster.job_store import open_or_create
-from cluster.placement import NodePlan, PlacementError, plan_node, resource_share
+from cluster.placement import PlacementError, plan_node, resource_share
 from cluster.plan_feed import PlanFeed
 from cluster.progress_log import ProgressLog
 from cluster.report import ProgressMeter, build_report, format_report
@@ -163,6 +166,8 @@ class Driver:
                 raise feed.error
             status: QueueStatus = ray.get(queue.status.remote())
             if status.finished and not self.workers:
+                if finished_at is not None:  # its workers stopped since: the line it ends on
+                    progress.finish(self._progress(meter, queue)[0])
                 return status
             if not status.finished:  # once finished, the workers stop on their own
                 self._start_missing_workers(queue)
@@ -187,9 +192,10 @@ class Driver:
             done, _ = ray.wait(list(self.workers), num_returns=1, timeout=interval)
             for ref in done:
                 self._reap(ref, queue)
-            line, phases, committed = self._progress(meter, queue)
-            state = None if phases is None else (phases, meter.planning)
-            progress.update(line, state, committed)
+            # Once every shard is done the line changes only as workers stop: one line per
+            # stop said the same progress over again. The job's last line comes once, above.
+            if finished_at is None:
+                progress.update(*self._progress(meter, queue))
 
     def _stop_workers(self, why: str) -> None:
         for ref, running in list(self.workers.items()):
@@ -335,17 +341,16 @@ class Driver:
             num_cpus=0,
             scheduling_strategy=NodeAffinitySchedulingStrategy(node_id, soft=False),
             max_restarts=0,
-        ).remote(self.config, queue, worker_id, self.gen_queue)
+        ).remote(self.config, queue, worker_id, self.gen_queue, plan=plan, slot=slot)
         self.workers[handle.run.remote()] = _Running(node_id, worker_id, handle, slot)
         self.say(f"started {worker_id}")
 
-    def _progress(
-        self, meter: ProgressMeter, queue: Any
-    ) -> tuple[str, tuple[tuple[str, int], ...] | None, int]:
-        """The progress line, the workers' phases (None: unknown this time) and the shards
-        committed. Workers first, then the queue: a shard committed between the two reads is
-        then in the queue's summaries, where its worker's state might no longer show it; the
-        other way round it was counted in neither and the count went backwards."""
+    def _progress(self, meter: ProgressMeter, queue: Any) -> tuple[str, Hashable, int]:
+        """The progress line, the job's state (the workers' phases and whether planning goes
+        on; None: unknown this time) and the shards committed, as ProgressLog takes them.
+        Workers first, then the queue: a shard committed between the two reads is then in the
+        queue's summaries, where its worker's state might no longer show it; the other way
+        round it was counted in neither and the count went backwards."""
         asked = {r.handle.status.remote(): r for r in self.workers.values()}
         answered, _ = (
             ray.wait(list(asked), num_returns=len(asked), timeout=5) if asked else ([], [])
@@ -353,19 +358,20 @@ class Driver:
         states = []
         for ref in answered:
             try:
-                state = ray.get(ref)
+                answer = ray.get(ref)
             except RayError:
                 continue  # a worker busy dying: the next line catches up
-            asked[ref].phase = state["phase"]
-            states.append(state)
+            asked[ref].phase = answer["phase"]
+            states.append(answer)
         status: QueueStatus = ray.get(queue.status.remote())
         # Samples of shards still in progress (a finished shard is in the summaries already).
         in_flight = sum(s["written"] for s in states if s["shard"] not in status.summaries)
         # A worker slow to answer (its process still coming up) counts as it last answered.
         phases = Counter(r.phase for r in asked.values())
         line = meter.line(list(status.summaries.values()), in_flight, dict(phases))
-        known = tuple(sorted(phases.items())) if len(states) == len(asked) else None
-        return line, known, len(status.summaries)
+        known = len(states) == len(asked)
+        state = (tuple(sorted(phases.items())), meter.planning) if known else None
+        return line, state, len(status.summaries)
 
 
 def run_job(config: JobConfig, say: Any = print) -> int:

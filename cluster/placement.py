@@ -2,26 +2,19 @@
 
 A server is one SGLang process group of tp_size x dp_size GPUs (tp_size GPUs per data-parallel
 replica), served by its own NodeWorker. A node hosts `servers` of them, each in a slot of its
-own; Ray pins each worker to its GPUs (num_gpus), so a server sees only its group.
+own; Ray pins each worker to its GPUs (num_gpus), so a server sees only its group. The plan
+(actors/node_plan.py) goes to each worker the driver starts: its server's TP size is the plan's.
 Details: docs/running-a-job.md.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
+from actors.node_plan import NodePlan
 from cluster.config import ConfigError
 
 
 class PlacementError(ConfigError):
     """The configured servers do not fit a node; the message names the node."""
-
-
-@dataclass(frozen=True)
-class NodePlan:
-    servers: int  # slots 0 .. servers-1, one worker each
-    gpus_per_server: int  # 0 on a CPU node
-    idle_gpus: int = 0  # what is left when the node's GPUs do not divide evenly
 
 
 def plan_node(
@@ -31,9 +24,9 @@ def plan_node(
 
     GPU node: tp_size null shares the node's GPUs evenly between its servers (servers_per_node
     of them, else one); servers_per_node null fits as many servers as the GPUs hold. CPU node:
-    servers_per_node servers (else one), on no GPU."""
+    servers_per_node servers (else one), on no GPU, each of tp_size ranks (else one)."""
     if gpus == 0:
-        return NodePlan(servers_per_node or 1, 0)
+        return NodePlan.on_cpu(servers_per_node or 1, tp_size)
     tp = tp_size or gpus // ((servers_per_node or 1) * dp_size)
     per_server = tp * dp_size
     servers = servers_per_node or (gpus // per_server if per_server else 0)
@@ -44,7 +37,7 @@ def plan_node(
             f"x dp_size {dp_size} (needs {count * (tp_size or 1) * dp_size}; see "
             "worker.servers_per_node, server.tp_size, server.dp_size)"
         )
-    return NodePlan(servers, per_server, gpus - servers * per_server)
+    return NodePlan(servers, per_server, tp, gpus - servers * per_server)
 
 
 def resource_share(servers: int) -> float:

@@ -3,7 +3,8 @@
 On a terminal every line is printed, the live view. Anywhere else (a `ray job submit` log, a
 file) a line is printed when the job's state changes (a worker starts, is up or is lost;
 planning ends; a shard commits after a quiet spell) and otherwise once every `interval_s`:
-a 10-hour job logs ~1,200 lines, not one per poll.
+a 10-hour job logs ~1,200 lines, not one per poll. Once every shard is done the driver offers
+no line while its workers stop, and `finish` prints the one the job ends on.
 """
 
 from __future__ import annotations
@@ -43,3 +44,7 @@ class ProgressLog:
         self._printed_at = now
         self.say(line)
         return True
+
+    def finish(self, line: str) -> None:
+        """The line the job ends on, once its workers have stopped: always printed."""
+        self.say(line)

@@ -95,7 +95,8 @@ class _BlockRead:
 
 
 class FileRows:
-    """Rows of several arrays chunked alike along their first axis, in a local directory.
+    """Rows of several arrays chunked alike along their first axis, in a local directory (a
+    RowSource, hsx_store/row_source.py).
     Memory while iterating `blocks`: the blocks read ahead (about `prefetch_bytes`, at least
     the next one) and the caller's. Buffers are taken in the caller's thread only."""
 

@@ -86,7 +86,8 @@ class _ChunkSource:
 
 
 class RemoteRows:
-    """Rows of several arrays chunked alike along their first axis, read from object storage.
+    """Rows of several arrays chunked alike along their first axis, read from object storage
+    (a RowSource, hsx_store/row_source.py).
     Memory while iterating `blocks`: the chunks of the blocks fetched ahead (about
     `prefetch_bytes`, at least the next block's), those blocks' buffers, and the caller's."""
 

@@ -43,6 +43,7 @@ from hsx_store.fp8 import FP8_DTYPE, as_float8, dequantize, scale_name
 from hsx_store.location import StoreAccessError, is_remote
 from hsx_store.object_rows import RemoteRows
 from hsx_store.read_ahead import Block
+from hsx_store.row_source import RowSource
 
 Sample = dict[str, Any]
 Fp8Mode = Literal["dequantize", "raw"]
@@ -145,7 +146,7 @@ class _StoreView:
         self.token_arrays = token_arrays(self.manifest)
         self._store: Store | None = store
         self._opened_by = os.getpid()
-        self._rows: FileRows | RemoteRows | None = None
+        self._rows: RowSource | None = None
         self.shards: list[Shard] = []  # committed, in the order this view saw them commit
         self.seen: set[int] = set()  # their indices
         self.sample_ids = np.zeros(0, dtype=object)
@@ -241,7 +242,7 @@ class _StoreView:
         return self._store
 
     @property
-    def rows(self) -> FileRows | RemoteRows:
+    def rows(self) -> RowSource:
         """The store's row reader, made once per process (array handles read metadata)."""
         store = self.store  # first: refuses a forked copy of a remote store
         if self._rows is None:

@@ -21,7 +21,8 @@ from transformers import AutoTokenizer
 
 from actors.config import WorkerJobConfig
 from actors.node_worker import NodeWorker
-from hsx_store.format import Store, create_store, make_manifest
+from hsx_store.builder import create_store
+from hsx_store.format import Store, make_manifest
 from hsx_store.layers import expected_capture
 from tests.helpers.hf_reference import TOLERANCE, assert_matches
 from tests.helpers.prompts import chat_prompts

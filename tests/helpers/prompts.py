@@ -1,5 +1,5 @@
-"""Prompts for tests on real models: chat and text rows of varied lengths, and rows each plan
-reject reason refuses."""
+"""Prompts for tests on real models: chat and text rows of varied lengths, rows each plan
+reject reason refuses, and a JSONL writer for rows of a test's own."""
 
 from __future__ import annotations
 
@@ -40,6 +40,15 @@ BAD_LINES = {
     "bad-type": json.dumps({"id": "bad-type", "text": 5}),
     "bad-content": json.dumps({"id": "bad-content", "messages": [{"role": "user", "content": 3}]}),
 }
+
+
+def write_jsonl(path: Path, rows: list[Any]) -> Path:
+    """Rows are JSON values, or bytes written as the line itself."""
+    with path.open("wb") as f:
+        for row in rows:
+            f.write(row if isinstance(row, bytes) else json.dumps(row).encode())
+            f.write(b"\n")
+    return path
 
 
 def write_prompts(path: Path, count: int, bad: bool = False) -> list[dict[str, Any]]:

@@ -19,8 +19,7 @@ from cluster.job_store import open_or_create, plan_into
 from cluster.plan import PlanStream, Reject, Sample
 from hsx_store.generated import GeneratedParts, closed_turn, conversation
 from tests.helpers.jobs import job_config
-from tests.helpers.prompts import write_prompts
-from tests.unit.cluster.test_plan import write_jsonl
+from tests.helpers.prompts import write_jsonl, write_prompts
 from tools.tiny_models import CHAT_TEMPLATE
 
 END = "<|im_end|>"

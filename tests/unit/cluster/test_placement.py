@@ -3,27 +3,29 @@ driver's slots, and the per-DP-rank bookkeeping of dumps; no server, no Ray clus
 
 from __future__ import annotations
 
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
 
+from actors.node_plan import NodePlan
 from cluster.config import ConfigError, parse_config
 from cluster.driver import Driver, _Running
-from cluster.placement import NodePlan, PlacementError, plan_node, resource_share
+from cluster.placement import PlacementError, plan_node, resource_share
 
 
 @pytest.mark.parametrize(
     ("gpus", "tp", "dp", "per_node", "plan"),
     [
-        (8, None, 1, None, NodePlan(1, 8)),  # the default: one server on every GPU
-        (8, 2, 1, None, NodePlan(4, 2)),
-        (8, 3, 1, None, NodePlan(2, 3, idle_gpus=2)),
-        (8, None, 1, 4, NodePlan(4, 2)),  # tp_size null: an even share of the node
-        (8, 2, 2, None, NodePlan(2, 4)),  # dp replicas multiply a server's GPUs
-        (8, None, 2, None, NodePlan(1, 8)),
-        (8, 2, 1, 2, NodePlan(2, 2, idle_gpus=4)),
-        (0, None, 1, None, NodePlan(1, 0)),  # a CPU node: one server ...
-        (0, 4, 1, 3, NodePlan(3, 0)),  # ... or exactly as many as asked
+        (8, None, 1, None, NodePlan(1, 8, tp_size=8)),  # the default: one server on every GPU
+        (8, 2, 1, None, NodePlan(4, 2, tp_size=2)),
+        (8, 3, 1, None, NodePlan(2, 3, tp_size=3, idle_gpus=2)),
+        (8, None, 1, 4, NodePlan(4, 2, tp_size=2)),  # tp_size null: an even share of the node
+        (8, 2, 2, None, NodePlan(2, 4, tp_size=2)),  # dp replicas multiply a server's GPUs
+        (8, None, 2, None, NodePlan(1, 8, tp_size=4)),
+        (8, 2, 1, 2, NodePlan(2, 2, tp_size=2, idle_gpus=4)),
+        (0, None, 1, None, NodePlan(1, 0, tp_size=1)),  # a CPU node: one server ...
+        (0, 4, 1, 3, NodePlan(3, 0, tp_size=4)),  # ... or exactly as many as asked
     ],
 )
 def test_servers_per_node_follow_gpus_tp_dp_and_the_explicit_count(
@@ -130,3 +132,38 @@ def test_a_job_no_node_of_which_can_host_a_server_stops_with_a_config_error(
     d, _ = driver(monkeypatch, [node("10.0.0.2", "b" * 16, gpus=4)], server={"tp_size": 8})
     with pytest.raises(PlacementError, match=r"no node can host a server:\n.*10\.0\.0\.2"):
         d._start_missing_workers(None)
+
+
+class _Recorded:
+    """NodeWorker's Ray surface, recording how each worker was started."""
+
+    def __init__(self) -> None:
+        self.starts: list[tuple[dict[str, Any], tuple, dict[str, Any]]] = []
+
+    def options(self, **options: Any) -> Any:
+        def remote(*args: Any, **kwargs: Any) -> Any:
+            self.starts.append((options, args, kwargs))
+            run = SimpleNamespace(remote=lambda: object())  # a fresh ref per worker
+            return SimpleNamespace(run=run)
+
+        return SimpleNamespace(remote=remote)
+
+
+def test_each_worker_is_handed_its_nodes_plan_and_its_slot(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The placement's decision reaches the worker: the TP size its server runs at is the
+    plan's, not one the worker works out again from the GPUs it sees."""
+    monkeypatch.setattr("cluster.driver.ray.nodes", lambda: [node("10.0.0.1", "a" * 16, gpus=8)])
+    raw = {"model": {"path": "m"}, "data": {"paths": ["d"]}, "store": {"url": "s"}}
+    sections = {"server": {"dp_size": 2}, "worker": {"servers_per_node": 2}}
+    d = Driver(parse_config({**raw, **sections}), say=lambda _: None)
+    recorded = _Recorded()
+    monkeypatch.setattr("cluster.driver.NodeWorker", recorded)
+    monkeypatch.setattr("cluster.driver.NodeAffinitySchedulingStrategy", lambda *a, **k: None)
+    d._start_missing_workers(None)
+    plan = NodePlan(2, 4, tp_size=2)  # 8 GPUs, 2 servers of tp 2 x dp 2
+    assert [(o["num_gpus"], kw) for o, _, kw in recorded.starts] == [
+        (4, {"plan": plan, "slot": 0}),
+        (4, {"plan": plan, "slot": 1}),
+    ]

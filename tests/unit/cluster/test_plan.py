@@ -23,6 +23,7 @@ from cluster.plan import (
     chat_template_text,
     source_hashes,
 )
+from tests.helpers.prompts import write_jsonl
 
 ASSISTANT_END = "<|im_end|>"  # the tiny template's generation blocks end with it
 
@@ -59,15 +60,6 @@ CHAT_ROWS: list[dict[str, Any]] = [
     {"id": "c3", "messages": chat("hi there", "what is the capital of france?", first="assistant")},
     {"id": 17, "text": "paris is the capital city of france. Why? Yes!"},
 ]
-
-
-def write_jsonl(path: Path, rows: list[Any]) -> Path:
-    """Rows are JSON values, or bytes written as the line itself."""
-    with path.open("wb") as f:
-        for row in rows:
-            f.write(row if isinstance(row, bytes) else json.dumps(row).encode())
-            f.write(b"\n")
-    return path
 
 
 def columnar(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:

@@ -1,9 +1,18 @@
 """The job log's progress lines: every one on a terminal; elsewhere one per interval and one on
-every change of state, so a 10-hour job's log stays readable."""
+every change of state, so a 10-hour job's log stays readable; the line a job ends on, once."""
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+
+from cluster.config import parse_config
+from cluster.driver import Driver, _Running
 from cluster.progress_log import ProgressLog
+from cluster.report import ProgressMeter
+from cluster.shard_queue import QueueStatus
 
 WORKING = (("working", 2),)
 
@@ -66,3 +75,59 @@ def test_a_commit_after_a_quiet_spell_is_logged_steady_commits_are_not() -> None
     clock.now += 5
     assert log.update("after the quiet spell", WORKING, 10)
     assert said == ["first", "quiet", "after the quiet spell"]
+
+
+class EndingJob(Driver):
+    """The driver's loop over a job's last polls with Ray scripted: 6 shards, the queue
+    finished from poll 2 on, worker k's run returned from poll `stops[k]` on (a server takes
+    a few polls to stop)."""
+
+    def __init__(self, stops: list[int], live: bool, said: list[str]) -> None:
+        raw = {"model": {"path": "m"}, "data": {"paths": ["d"]}, "store": {"url": "s"}}
+        super().__init__(parse_config(raw), say=said.append, live=live)
+        self.stops, self.poll = dict(enumerate(stops)), 0
+        self.workers = {k: _Running("node", f"w{k}", None) for k in self.stops}
+
+    def status(self) -> QueueStatus:
+        self.poll += 1
+        completed = 6 if self.poll >= 2 else 4
+        return QueueStatus(pending=0, leased=6 - completed, completed=completed, failed=0, total=6)
+
+    def wait(self, refs: list[Any], **_: Any) -> tuple[list[Any], list[Any]]:
+        done = [ref for ref in refs if self.poll >= self.stops[ref]][:1]  # num_returns=1
+        return done, [ref for ref in refs if ref not in done]
+
+    def _start_missing_workers(self, queue: Any) -> None:
+        pass
+
+    def _stop_starting_workers(self) -> None:
+        pass
+
+    def _reap(self, ref: Any, queue: Any) -> None:
+        del self.workers[ref]
+
+    def _progress(self, meter: ProgressMeter, queue: Any) -> tuple[str, Any, int]:
+        done = 6 if self.poll >= 2 else 4
+        line = f"{round(100 * done / 6)}% workers: {len(self.workers) or 'none'}"
+        return line, ((("working", len(self.workers)),), False), done
+
+
+@pytest.mark.parametrize(
+    ("stops", "live"),
+    [
+        ([2], False),  # one worker, stopped at once
+        ([4], True),  # its server takes polls to stop, on a terminal (every line offered)
+        ([3, 5], False),  # two workers stopping in turn: each stop a change of state
+    ],
+)
+def test_the_line_a_job_ends_on_is_printed_once_not_again_as_each_worker_stops(
+    monkeypatch: pytest.MonkeyPatch, stops: list[int], live: bool
+) -> None:
+    said: list[str] = []
+    job = EndingJob(stops, live, said)
+    queue = SimpleNamespace(status=SimpleNamespace(remote=job.status))
+    monkeypatch.setattr("cluster.driver.ray.get", lambda status: status)
+    monkeypatch.setattr("cluster.driver.ray.wait", job.wait)
+    status = job._watch(queue, ProgressMeter(total_samples=23, total_tokens=0), None)
+    assert status.finished
+    assert said == [f"67% workers: {len(stops)}", "100% workers: none"]

@@ -10,13 +10,18 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+import zarr
+from obstore.store import LocalStore as ObstoreLocal
 from torch.utils.data import DataLoader
+from zarr.storage import ObjectStore
 
 from hsx_store.buffers import RecycledBuffers
 from hsx_store.file_rows import FileRows
 from hsx_store.format import StoreFormatError
-from hsx_store.read_ahead import Block
+from hsx_store.object_rows import RemoteRows
+from hsx_store.read_ahead import Block, Rows
 from hsx_store.reader import HiddenStatesDataset, HiddenStatesIterable, token_arrays
+from hsx_store.row_source import RowSource
 from tests.helpers.synthetic import assert_sample_exact, partly_written_store, plan
 
 
@@ -128,3 +133,34 @@ def test_read_buffers_are_reused_only_once_no_sample_holds_them(tmp_path: Path) 
     for sample in kept:
         assert_sample_exact(sample, names.index(sample["sample_id"]), "bfloat16")
     assert len(kept) == len(visible)
+
+
+def _read_through(source: RowSource, blocks: list[Block]) -> list[tuple[Block, Rows]]:
+    """What the reader does with a backend, knowing only the contract."""
+    return [
+        (block, {k: v.copy() for k, v in rows.items()}) for block, rows in source.blocks(blocks)
+    ]
+
+
+def test_both_row_backends_are_row_sources_and_read_the_same_rows(tmp_path: Path) -> None:
+    """The local directory's backend and object storage's (here over obstore's local-directory
+    store, so its raw-GET path runs) serve one store's rows alike through the RowSource
+    contract the reader types against."""
+    store, _ = partly_written_store(tmp_path / "s.zarr")
+    names = token_arrays(store.manifest)
+    local = {name: store.group[name] for name in names}
+    remote_group = zarr.open_group(ObjectStore(ObstoreLocal(tmp_path / "s.zarr")), mode="r")
+    remote = {name: remote_group[name] for name in names}
+    total = local["aux_hidden_states"].shape[0]
+    blocks = [Block(0, 3), Block(3, total // 2), Block(total // 2, total)]
+    backends: list[RowSource] = [FileRows(local), RemoteRows(remote)]
+    assert all(isinstance(b, RowSource) for b in backends)
+    assert all(s.raw for s in backends[1].sources.values())  # plain GETs, not zarr's reads
+    expected = [(block, {n: local[n][block.begin : block.end] for n in names}) for block in blocks]
+    for backend in backends:
+        got = _read_through(backend, blocks)
+        assert [block for block, _ in got] == blocks
+        for (_, rows), (_, want) in zip(got, expected, strict=True):
+            for name in names:
+                np.testing.assert_array_equal(rows[name], want[name])
+        np.testing.assert_array_equal(backend.read(2, 9)["input_ids"], local["input_ids"][2:9])
