@@ -1,6 +1,8 @@
 """The per-node Ray actor: owns one patched SGLang server and turns leased shards into rows.
 
-    worker = NodeWorker.options(resources={"sglang_node": 1}, num_cpus=0).remote(config, queue)
+    worker = NodeWorker.options(resources={"sglang_node": 1}, num_cpus=0).remote(
+        config, queue, plan=NodePlan.on_cpu(1, None)
+    )
     summaries = ray.get(worker.run.remote())     # until every shard is done
 
 run(): start the server (on the GPU group Ray gave this worker, at the TP size of the
@@ -111,14 +113,14 @@ class NodeWorker:
         queue: Any,
         worker_id: str | None = None,
         gen_queue: Any = None,
-        plan: NodePlan | None = None,
+        *,
+        plan: NodePlan,
         slot: int = 0,
     ) -> None:
-        """`plan`: the placement of its node (the driver's); None, for a worker started on its
-        own: one server on the CPU. `slot`: which of the node's servers it runs."""
+        """`plan`: the placement of its node (the driver's; a worker started on its own is
+        given one: NodePlan.on_cpu on a CPU). `slot`: which of the node's servers it runs."""
         self.job, self.config = job, job.worker
-        self.plan = plan or NodePlan.on_cpu(1, job.server.tp_size)
-        self.slot = slot
+        self.plan, self.slot = plan, slot
         self.queue, self.gen_queue = queue, gen_queue  # gen_queue: parts of prompts (generate:)
         self.id = worker_id or f"{socket.gethostname()}-{os.getpid()}"
         self.store = Store.open(job.store.url, mode="r+", storage_options=job.store.storage_options)

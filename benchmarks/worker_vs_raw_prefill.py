@@ -26,6 +26,7 @@ import ray
 import torch
 
 from actors.config import WorkerJobConfig
+from actors.node_plan import NodePlan
 from actors.node_worker import NodeWorker
 from actors.sglang_server import ServerSpec, SGLangServer
 from benchmarks.rounds import alternate
@@ -46,7 +47,11 @@ def raw_prefill_tokens_per_s(
     # The worker's server flags: its config's defaults on a CPU node.
     capture = CaptureSettings(work / "raw-dumps", "hsx-", 1 << 30, mla_cpu_fix=True)
     spec = ServerSpec(
-        model_path=model, capture=capture, max_total_tokens=8192, extra_args=["--dtype", "bfloat16"]
+        model_path=model,
+        capture=capture,
+        max_total_tokens=8192,
+        extra_args=["--dtype", "bfloat16"],
+        device="cpu",  # as the worker's (a CPU plan), on a GPU machine too
     )
 
     def send(i: int) -> None:
@@ -87,7 +92,9 @@ def worker_tokens_per_s(
             "worker": {"inflight": args.inflight, "dump_root": str(work)},
         }
     )
-    worker = NodeWorker.options(resources={"sglang_node": 1}).remote(config, queue)
+    worker = NodeWorker.options(resources={"sglang_node": 1}).remote(
+        config, queue, plan=NodePlan.on_cpu(1, None)
+    )
     try:
         summaries = ray.get(worker.run.remote())
     finally:

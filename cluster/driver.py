@@ -166,8 +166,7 @@ class Driver:
                 raise feed.error
             status: QueueStatus = ray.get(queue.status.remote())
             if status.finished and not self.workers:
-                if finished_at is not None:  # its workers stopped since: the line it ends on
-                    progress.finish(self._progress(meter, queue)[0])
+                progress.finish(self._progress(meter, queue)[0])  # the line it ends on, once
                 return status
             if not status.finished:  # once finished, the workers stop on their own
                 self._start_missing_workers(queue)
@@ -178,6 +177,8 @@ class Driver:
                 self._stop_lingering_workers()
                 continue
             if not self.workers:
+                if status.finished:
+                    continue  # its last workers were stopped: it ends above, on its last line
                 given_up = any(
                     n >= self.config.worker.max_node_failures for n in self.node_failures.values()
                 )
@@ -194,8 +195,9 @@ class Driver:
                 self._reap(ref, queue)
             # Once every shard is done the line changes only as workers stop: one line per
             # stop said the same progress over again. The job's last line comes once, above.
-            if finished_at is None:
-                progress.update(*self._progress(meter, queue))
+            line, state, committed, finished = self._progress(meter, queue)
+            if not finished:
+                progress.update(line, state, committed)
 
     def _stop_workers(self, why: str) -> None:
         for ref, running in list(self.workers.items()):
@@ -345,12 +347,13 @@ class Driver:
         self.workers[handle.run.remote()] = _Running(node_id, worker_id, handle, slot)
         self.say(f"started {worker_id}")
 
-    def _progress(self, meter: ProgressMeter, queue: Any) -> tuple[str, Hashable, int]:
+    def _progress(self, meter: ProgressMeter, queue: Any) -> tuple[str, Hashable, int, bool]:
         """The progress line, the job's state (the workers' phases and whether planning goes
-        on; None: unknown this time) and the shards committed, as ProgressLog takes them.
-        Workers first, then the queue: a shard committed between the two reads is then in the
-        queue's summaries, where its worker's state might no longer show it; the other way
-        round it was counted in neither and the count went backwards."""
+        on; None: unknown this time) and the shards committed, as ProgressLog takes them, and
+        whether the queue was finished when read (the line is then the job's last). Workers
+        first, then the queue: a shard committed between the two reads is then in the queue's
+        summaries, where its worker's state might no longer show it; the other way round it
+        was counted in neither and the count went backwards."""
         asked = {r.handle.status.remote(): r for r in self.workers.values()}
         answered, _ = (
             ray.wait(list(asked), num_returns=len(asked), timeout=5) if asked else ([], [])
@@ -371,7 +374,7 @@ class Driver:
         line = meter.line(list(status.summaries.values()), in_flight, dict(phases))
         known = len(states) == len(asked)
         state = (tuple(sorted(phases.items())), meter.planning) if known else None
-        return line, state, len(status.summaries)
+        return line, state, len(status.summaries), status.finished
 
 
 def run_job(config: JobConfig, say: Any = print) -> int:

@@ -20,6 +20,7 @@ import torch
 from transformers import AutoTokenizer
 
 from actors.config import WorkerJobConfig
+from actors.node_plan import NodePlan
 from actors.node_worker import NodeWorker
 from hsx_store.builder import create_store
 from hsx_store.format import Store, make_manifest
@@ -77,9 +78,13 @@ def worker_job(
     )
 
 
+# What the driver's placement gives a worker of one server on a CPU node: the tests' workers.
+CPU_PLAN = NodePlan.on_cpu(1, None)
+
+
 def start_worker(config: WorkerJobConfig, queue: ray.actor.ActorHandle, written: int) -> tuple:
     """Start a worker's run and return (worker, run) once it has written `written` samples."""
-    worker = NodeWorker.options(resources={SOLO_NODE: 1}).remote(config, queue)
+    worker = NodeWorker.options(resources={SOLO_NODE: 1}).remote(config, queue, plan=CPU_PLAN)
     run = worker.run.remote()
     deadline = time.monotonic() + 300
     while ray.get(worker.status.remote())["written"] < written:

@@ -19,7 +19,7 @@ from hsx_store.format import Store, make_manifest
 from hsx_store.layers import expected_capture
 from hsx_store.reader import HiddenStatesDataset
 from tests.helpers.hf_reference import TOLERANCE, assert_matches
-from tests.helpers.jobs import worker_job
+from tests.helpers.jobs import CPU_PLAN, worker_job
 from tests.helpers.prompts import chat_prompts
 from tests.helpers.ray_cluster import SOLO_NODE
 
@@ -45,7 +45,7 @@ def test_five_layers_from_a_real_server_match_hf_through_store_reader_and_export
     create_store(url, manifest, [f"sample-{i}" for i in range(8)], ids, masks)
     config = worker_job(llama_path, url, tmp_path, dtype=DTYPE, layers=ASKED)
     queue = ShardQueueActor.remote([0, 1], lease_seconds=60)
-    worker = NodeWorker.options(resources={SOLO_NODE: 1}).remote(config, queue)
+    worker = NodeWorker.options(resources={SOLO_NODE: 1}).remote(config, queue, plan=CPU_PLAN)
     summaries = ray.get(worker.run.remote(), timeout=600)  # calibration checks 5 layers
     assert sorted(s["written"] for s in summaries) == [4, 4]
     assert not any(s["failed"] for s in summaries)

@@ -26,6 +26,7 @@ from hsx_store.layers import expected_capture
 from hsx_store.reader import HiddenStatesDataset
 from tests.helpers.hf_reference import TOLERANCE, assert_matches
 from tests.helpers.jobs import (
+    CPU_PLAN,
     LAYERS,
     assert_misaligned_rows_fail,
     assert_store_matches_reference,
@@ -123,7 +124,7 @@ def test_an_fp8_store_quantized_by_the_server_matches_the_reference_and_the_writ
             worker={"inflight": 1},
             store={"fp8_quantizer": quantizer},
         )
-        worker = NodeWorker.options(resources={node: 1}).remote(config, queue)
+        worker = NodeWorker.options(resources={node: 1}).remote(config, queue, plan=CPU_PLAN)
         runs[quantizer] = (worker, worker.run.remote())
     stores = {}
     for quantizer, (_, run) in runs.items():
@@ -197,7 +198,7 @@ def test_a_worker_whose_node_has_another_checkpoint_refuses_before_any_work(
     queue = ShardQueueActor.remote([0], lease_seconds=60)
     tuned = fine_tuned_copy(deepseek_path, tmp_path / "tuned")  # the node's copy at model.path
     config = worker_job(tuned, tmp_path / "store.zarr", tmp_path)
-    worker = NodeWorker.options(resources={SOLO_NODE: 1}).remote(config, queue)
+    worker = NodeWorker.options(resources={SOLO_NODE: 1}).remote(config, queue, plan=CPU_PLAN)
     with pytest.raises(ModelMismatch, match=f"{tuned}: weights_fingerprint"):
         ray.get(worker.run.remote(), timeout=120)
     ray.kill(worker)  # a failed worker holds its node until stopped, as the driver does
@@ -249,7 +250,7 @@ def test_worker_fails_with_the_log_tail_when_the_server_cannot_start(
     config = worker_job(
         deepseek_path, tmp_path / "store.zarr", tmp_path, server={"extra_args": ["--no-such-flag"]}
     )
-    worker = NodeWorker.options(resources={SOLO_NODE: 1}).remote(config, queue)
+    worker = NodeWorker.options(resources={SOLO_NODE: 1}).remote(config, queue, plan=CPU_PLAN)
     with pytest.raises(ServerError, match="no-such-flag") as failure:
         ray.get(worker.run.remote(), timeout=300)
     ray.kill(worker)  # a failed worker holds its node until stopped, as the driver does
