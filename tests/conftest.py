@@ -10,6 +10,7 @@ tiers and helpers fit: docs/testing.md.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -21,7 +22,7 @@ from ray.cluster_utils import Cluster
 from actors.sglang_server import ServerSpec, SGLangServer
 from cluster.verify.server import VerifyServer
 from tests.helpers.ray_cluster import SimulatedCluster
-from tests.helpers.servers import ServerPool, StartServer
+from tests.helpers.servers import ServerPool, StartServer, unserved_model_modules
 from tools import s3_server as s3_module
 from tools.s3_server import S3Server
 from tools.tiny_models import ensure_models
@@ -42,6 +43,10 @@ FIXTURE_MARKS = {
     "cuda_device": {"cuda"},
 }
 SLOW_MARKS = {"server", "ray", "s3", "trainers"}  # none in tests/unit
+
+# Set before any server or Ray node starts, so every server inherits it: in Ray workers, in
+# `ray job submit`'s driver and in a killed worker's replacement too.
+os.environ.setdefault("SGLANG_DISABLED_MODEL_ARCHS", unserved_model_modules())
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

@@ -68,7 +68,11 @@ class SimulatedCluster:
         temp_dir = self._temp_dir.enter_context(private_temp_dir())
         cluster = Cluster()
         try:  # a node that fails to start must not leave the others running (ports held)
-            cluster.add_node(num_cpus=1, temp_dir=temp_dir, resources={PAIR_NODE: 1})
+            # No dashboard: nothing here submits jobs to this cluster (the demo has its own
+            # head) and, idle, it took ~4% of a core all session.
+            cluster.add_node(
+                num_cpus=1, temp_dir=temp_dir, resources={PAIR_NODE: 1}, include_dashboard=False
+            )
             cluster.add_node(
                 num_cpus=1, temp_dir=temp_dir, resources={"sglang_node": 1, SOLO_NODE: 1}
             )

@@ -7,6 +7,7 @@ that kills, freezes or misconfigures its server starts its own (`start_server`).
 
 from __future__ import annotations
 
+import importlib.util
 import itertools
 from collections import OrderedDict
 from collections.abc import Callable
@@ -17,6 +18,23 @@ from actors.sglang_server import ServerSpec, SGLangServer
 from patches.settings import CaptureSettings
 
 RID_PREFIX = "hsx-"
+
+# The sglang.srt.models modules of the tiny models' architectures (tools/tiny_models.py; the
+# noisy model is a Llama too).
+SERVED_MODEL_MODULES = {"LlamaForCausalLM": "llama", "DeepseekV3ForCausalLM": "deepseek_v2"}
+
+
+def unserved_model_modules() -> str:
+    """SGLANG_DISABLED_MODEL_ARCHS for the tests' servers: every model module of SGLang's but
+    the tiny models'. A scheduler imports all of them at start (255: 2.5 of a server start's
+    31 CPU-seconds, measured on 2 cores), though it loads one; a test server of another
+    architecture fails to start, naming it. Listed from the files, without importing SGLang."""
+    spec = importlib.util.find_spec("sglang")
+    assert spec is not None and spec.submodule_search_locations, "sglang is not installed"
+    models = Path(next(iter(spec.submodule_search_locations))) / "srt" / "models"
+    served = set(SERVED_MODEL_MODULES.values())
+    return ",".join(sorted(p.stem for p in models.glob("*.py") if p.stem not in served))
+
 
 StartServer = Callable[..., SGLangServer]  # the start_server fixture: (spec, log_path[, timeout])
 
@@ -87,6 +105,13 @@ class ServerPool:
         entries = sorted(p.name for p in dumps.iterdir()) if dumps.exists() else []
         self._running[config] = Served(server, model_path, dumps, entries)
         return self._running[config]
+
+    def release(self, config: ServerConfig) -> None:
+        """Stop its server, if running: no test left asks for it (idle, a server still takes
+        ~2% of a core and ~2.4 GB)."""
+        served = self._running.pop(config, None)
+        if served is not None:
+            served.server.stop()
 
     def close(self) -> None:
         while self._running:
