@@ -63,7 +63,8 @@ class Driver:
     node_failures: dict[tuple[str, int], int] = field(default_factory=dict)  # (node, slot)
     node_plans: dict[str, NodePlan | PlacementError] = field(default_factory=dict)  # by node
     workers_lost: list[dict[str, str]] = field(default_factory=list)
-    # workers that ended without their own cleanup (killed, failed, stopped), by node
+    # by node: the workers that ended without their own cleanup (killed, failed, stopped);
+    # every node that hosted one of this job's workers is a key
     uncleaned: dict[str, list[str]] = field(default_factory=dict)
     incarnation: int = 0
     gen_queue: Any = None  # a `generate:` job's parts of prompts, while it is planned
@@ -238,16 +239,18 @@ class Driver:
         self.uncleaned.setdefault(running.node_id, []).append(running.worker_id)
 
     def _reclaim_nodes(self) -> None:
-        """On each node where a worker ended without its cleanup, once it is gone, remove what
-        it left (actors/node_worker.py `reclaim_after`); a node lost meanwhile is skipped."""
-        if not self.uncleaned:
-            return
+        """On each node this job had workers on, remove what workers that ended without their
+        cleanup left, once they are gone (actors/node_worker.py `reclaim_after`): this job's,
+        and those of an earlier submission of it killed with its driver, whose deaths may
+        come after every worker here last looked. A node lost meanwhile is skipped."""
         sweeps = [
             reclaim_after.options(
                 scheduling_strategy=NodeAffinitySchedulingStrategy(node_id, soft=False)
             ).remote(self.config.worker, worker_ids)
             for node_id, worker_ids in self.uncleaned.items()
         ]
+        if not sweeps:
+            return
         ready, _ = ray.wait(sweeps, num_returns=len(sweeps), timeout=RECLAIM_WAIT_S)
         removed = 0
         for ref in ready:
@@ -345,6 +348,7 @@ class Driver:
             max_restarts=0,
         ).remote(self.config, queue, worker_id, self.gen_queue, plan=plan, slot=slot)
         self.workers[handle.run.remote()] = _Running(node_id, worker_id, handle, slot)
+        self.uncleaned.setdefault(node_id, [])
         self.say(f"started {worker_id}")
 
     def _progress(self, meter: ProgressMeter, queue: Any) -> tuple[str, Hashable, int, bool]:

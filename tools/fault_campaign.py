@@ -100,6 +100,19 @@ GREEDY = {"turns": "all", "n": 2, "max_new_tokens": 16, "temperature": 0.0}
 SAMPLED = {"turns": "last", "n": 2, "max_new_tokens": 16, "temperature": 0.8, "top_p": 0.95}
 
 
+def holders(path: str) -> str:
+    """Which processes hold `path` open (a folder's lock is an open descriptor): what tells a
+    leftover whose holder lives from one no sweep reached."""
+    found = []
+    for fd in Path("/proc").glob("[0-9]*/fd/*"):
+        with contextlib.suppress(OSError):
+            if os.readlink(fd) == path:
+                pid = fd.parts[2]
+                command = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ")
+                found.append(f"pid {pid}: {command.decode(errors='replace')[:120].strip()}")
+    return "held by " + "; ".join(found) if found else "held by no process"
+
+
 @dataclass(frozen=True)
 class JobPlan:
     name: str
@@ -273,7 +286,7 @@ class Campaign:
         deadline = time.monotonic() + LEFTOVER_SETTLE_S
         while (found := left()) and time.monotonic() < deadline:
             time.sleep(1.0)
-        self.outcome.leftovers += sorted(found)
+        self.outcome.leftovers += [f"{path} ({holders(path)})" for path in sorted(found)]
         self.say(f"== job {plan.name}: {time.monotonic() - started:.0f} s")
 
     def write_config(self, job: Job) -> Path:
