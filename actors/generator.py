@@ -93,6 +93,7 @@ def write_sample(
         "prompt": prompt["prompt"],
         "segments": prompt["segments"],
         "turn_end": prompt["turn_end"],
+        **({"tools": prompt["tools"]} if "tools" in prompt else {}),
     }
     error = None
     for _ in range(attempts):

@@ -38,14 +38,29 @@ class DataConfig(Section):
     """The field holding a row's id (a string or an integer); a row without one gets
     `<file name>:<row>`."""
     text_field: str = "text"
-    """The field holding a text row's text. A row holds either this or messages_field."""
+    """The field holding a text row's text. A row holds one of text_field, messages_field and
+    conversations_field."""
     messages_field: str = "messages"
-    """The field holding a chat row's messages, `[{"role": ..., "content": ...}, ...]`,
-    rendered with the chat template."""
+    """The field holding a chat row's OpenAI messages (`[{"role": ..., "content": ...}, ...]`,
+    with tool calls, tool results, content parts, reasoning: docs/input-formats.md), rendered
+    with the chat template."""
+    conversations_field: str = "conversations"
+    """The field holding a ShareGPT row's turns, `[{"from": ..., "value": ...}, ...]`."""
+    tools_field: str = "tools"
+    """The field holding a chat row's tool definitions (a list, or a JSON string of one),
+    given to the chat template as transformers' `apply_chat_template(tools=...)` does."""
+    row_schema: Literal["auto", "text", "openai", "sharegpt"] = "auto"
+    """auto: each row's shape from the field it holds (text_field, messages_field or
+    conversations_field; a messages list of `{from, value}` is ShareGPT); otherwise every row
+    is read as that shape from its field."""
     roles: list[str] = Field(["system", "user", "assistant", "tool"])
     """The roles a message may have; a row with another is rejected."""
     chat_template: str = "model"
     """"model": the tokenizer's own chat template; otherwise the path of a Jinja template."""
+    content_format: Literal["auto", "openai", "string"] = "auto"
+    """How a list of content parts reaches the chat template. auto: as SGLang's server gives
+    it (parts to a template that loops over a message's content or names images, the text
+    parts joined by a space to any other); openai: always parts; string: always the text."""
     loss_mask: Literal["assistant", "all"] = "assistant"
     """assistant: loss on the assistant turns of chat rows (text rows: every token); all:
     every token."""

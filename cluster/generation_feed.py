@@ -188,6 +188,7 @@ def generate_into(
                     "prompt": prompt,
                     "segments": [seg.tolist() for seg in np.split(item.input_ids, cuts)],
                     "turn_end": turn_ends[isinstance(prompt, list)],
+                    **({"tools": item.prompt["tools"]} if "tools" in item.prompt else {}),
                     "samples": [
                         {"sample_id": sid, "seed": response_seed(gen.seed, sid)}
                         for sid in sample_ids(item.sample_id, gen.n)

@@ -1,14 +1,17 @@
 """Assistant loss masks from one rendering per conversation, for templates without markers.
 
-    turns = TurnShape.learn(render, special_tokens)   # once per template
-    spans = turns.assistant_spans(text, messages)      # per row: [start, end) character spans
-    mask = token_mask(spans, offsets)                  # per row: 1 on tokens overlapping a span
+    turns = TurnShape.learn(render, special_tokens)        # once per template
+    spans = turns.assistant_spans(text, messages, render)   # per row: [start, end) characters
+    mask = token_mask(spans, offsets)                       # per row: 1 on tokens in a span
 
-A turn's span is its content plus the turn end up to its last special token (ChatML's
-`<|im_end|>`, not the `\\n` after it). A template's header and turn end are learned once from
-probe conversations. A row whose assistant turns do not render as header + content + turn end
-is rejected (`NOT_AS_WRITTEN`), as is one whose slow tokenizer merges tokens across a span's
-edge (`BOUNDARY_MERGED`): never a guessed mask.
+A turn's span is every character the template writes for it past its header, up to and
+including its turn end's last special token (ChatML's `<|im_end|>`, not the `\n` after it):
+its content, and its reasoning and tool-call markup where it has them. A template's header and
+turn end are learned once from probe conversations. A turn that holds only its content is
+found as written (header + content + turn end) in the row's one rendering; any other from where
+the rendering of the conversation before it (with the generation prompt) ends. A turn found
+neither way is rejected (`NOT_FOUND`), as is one whose slow tokenizer merges tokens across a
+span's edge (`BOUNDARY_MERGED`): never a guessed mask.
 
 Design: docs/design/planning.md.
 """
@@ -16,6 +19,7 @@ Design: docs/design/planning.md.
 from __future__ import annotations
 
 import bisect
+import contextlib
 import operator
 import os
 from collections.abc import Callable, Sequence
@@ -24,10 +28,10 @@ from typing import Any
 
 import numpy as np
 
-NOT_AS_WRITTEN = (
-    "the chat template does not render assistant turn {turn} as written (header, content, turn "
-    "end); cannot mark its tokens (use loss_mask: all or a template with {{% generation %}} "
-    "markers)"
+NOT_FOUND = (
+    "cannot find where assistant turn {turn} starts and ends in the chat template's rendering "
+    "(after its header or the conversation before it, up to its turn end); cannot mark its "
+    "tokens (use loss_mask: all or a template with {{% generation %}} markers)"
 )
 BOUNDARY_MERGED = (
     "the tokenizer merges tokens across an edge of assistant turn {turn} and gives no character "
@@ -48,9 +52,8 @@ class TemplateShapeError(ValueError):
 
 @dataclass(frozen=True)
 class TurnShape:
-    header: str  # what precedes an assistant turn's content
-    end: str  # what follows its content and is part of the turn (up to the last special token)
-    end_glue: str  # what follows `end` after every assistant turn (never masked)
+    header: str  # what the template writes before an assistant turn's own tokens
+    end: str  # what closes an assistant turn, up to its last special token ("": none)
     generation_prompt: bool  # add_generation_prompt changes the rendering (the template has one)
 
     @classmethod
@@ -71,43 +74,80 @@ class TurnShape:
     ) -> TurnShape:
         user = [*opening, {"role": "user", "content": _PROBE_U}]
         turn = [*user, {"role": "assistant", "content": _PROBE_A}]
+        asked, prompted = render(user, False), render(user, True)
         last = render(turn, False)
         more = render([*turn, {"role": "user", "content": _PROBE_B}], False)
-        at = last.find(_PROBE_A)
-        opened = last[: at + len(_PROBE_A)]
-        if at < 0 or not more.startswith(opened):
-            raise TemplateShapeError("an assistant turn does not render its content as written")
+        at_last, at_more = last.find(_PROBE_A), more.find(_PROBE_A)
+        if at_last < 0 or at_more < 0:
+            raise TemplateShapeError("an assistant turn does not render its content")
         # The header starts where the conversation before it would have ended (past any text
-        # that only closes a conversation, e.g. an eos token).
-        asked = render(user, False)
-        before = os.path.commonprefix([asked, last[:at]])  # noqa: RUF071
-        header = last[len(before) : at]
-        common = os.path.commonprefix([last[len(opened) :], more[len(opened) :]])  # noqa: RUF071
-        cut = _after_last_special(common, special_tokens)
-        return cls(header, common[:cut], common[cut:], render(user, True) != asked)
+        # that only closes a conversation, e.g. an eos token). It is the generation prompt
+        # where the turn starts with it: what the template writes after it (Kimi's
+        # "<think></think>", Qwen3's empty think block) is the model's to write, so the turn's.
+        opened = last[:at_last]
+        if prompted != asked and last.startswith(prompted):
+            opened = prompted
+        header = opened[len(os.path.commonprefix([asked, opened])) :]  # noqa: RUF071
+        after = [last[at_last + len(_PROBE_A) :], more[at_more + len(_PROBE_A) :]]
+        common = os.path.commonprefix(after)  # noqa: RUF071
+        return cls(header, common[: _after_last_special(common, special_tokens)], prompted != asked)
 
-    def assistant_spans(self, text: str, messages: list[dict[str, Any]]) -> list[Span] | str:
-        """The character span of each assistant turn in `text` (the rendering of `messages`),
-        or a reject reason."""
+    def assistant_spans(
+        self, text: str, messages: list[dict[str, Any]], render: Render
+    ) -> list[Span] | str:
+        """The character span of each assistant turn in `text` (the rendering of `messages`
+        by `render`), or a reject reason: from its start (`_turn_start`) to its first turn
+        end (for a template without one: to the end of its content, if it holds nothing
+        else)."""
         spans: list[Span] = []
-        cursor, turn = 0, 0
-        for message in messages:
-            content = message["content"]
+        cursor = 0
+        assistants = sum(m["role"] == "assistant" for m in messages)
+        one_header_each = bool(self.header) and text.count(self.header) == assistants
+        for k, message in enumerate(messages):
             if message["role"] != "assistant":
-                at = text.find(content, cursor) if content else -1
-                cursor = at + len(content) if at >= 0 else cursor
                 continue
-            for written in dict.fromkeys((content, content.strip())):  # as written, then trimmed
-                at = text.find(self.header + written + self.end + self.end_glue, cursor)
-                if at >= 0:
-                    start = at + len(self.header)
-                    spans.append((start, start + len(written) + len(self.end)))
-                    cursor = start + len(written)
-                    break
-            else:
-                return NOT_AS_WRITTEN.format(turn=turn)
-            turn += 1
+            start = self._turn_start(text, messages[:k], render, cursor, one_header_each)
+            span = self._turn_span(text, start, message) if start >= 0 else None
+            if span is None:
+                return NOT_FOUND.format(turn=len(spans))
+            spans.append(span)
+            cursor = span[1]
         return spans
+
+    def _turn_start(
+        self,
+        text: str,
+        before: list[dict[str, Any]],
+        render: Render,
+        cursor: int,
+        one_header_each: bool,
+    ) -> int:
+        """Where an assistant turn's own tokens start: past its header, where every assistant
+        turn has exactly one; else past the rendering of the conversation before it with the
+        generation prompt, where that is how `text` begins. -1: neither."""
+        if one_header_each:
+            at = text.find(self.header, cursor)
+            return at + len(self.header) if at >= 0 else -1
+        if before:
+            with contextlib.suppress(Exception):  # a template is user code
+                prompt = render(before, True) + ("" if self.generation_prompt else self.header)
+                if len(prompt) >= cursor and text.startswith(prompt):
+                    return len(prompt)
+        return -1
+
+    def _turn_span(self, text: str, start: int, message: dict[str, Any]) -> Span | None:
+        if self.end:
+            at = text.find(self.end, start)
+            return (start, at + len(self.end)) if at >= 0 else None
+        # No turn end to look for: only a turn of nothing but its content can be placed.
+        content = message["content"]
+        if not isinstance(content, str) or message.keys() - {"role", "content"}:
+            return None
+        for written in dict.fromkeys((content, content.strip())):  # as written, then trimmed
+            at = text.find(written, start)
+            if at >= 0:
+                return start, at + len(written)
+        return None
 
 
 def _after_last_special(text: str, special_tokens: Sequence[str]) -> int:

@@ -64,7 +64,8 @@ class Sample:
     input_ids: np.ndarray  # int32
     loss_mask: np.ndarray  # uint8, same length
     # generating: {"prompt": messages (null contents: turns to write) or text, "segments":
-    # the lengths of the tokens before each turn to write} (cluster/plan_encode.py)
+    # the lengths of the tokens before each turn to write, and "tools" where the row has
+    # them} (cluster/plan_encode.py)
     prompt: dict[str, Any] | None = None
 
 
@@ -144,9 +145,8 @@ def plan_part(
                 masks.append(encoded[1])
                 result.lengths.append(len(encoded[0]))
                 if encoder.generate is not None:  # the prompt and its segments' lengths
-                    result.prompts.append(
-                        {"prompt": encoder.prompt_of(row), "segments": encoded[2]}
-                    )
+                    prompt = {"prompt": encoder.prompt_of(row), "segments": encoded[2]}
+                    result.prompts.append(prompt | ({"tools": row.tools} if row.tools else {}))
     if ids:
         result.input_ids, result.loss_mask = np.concatenate(ids), np.concatenate(masks)
     return result

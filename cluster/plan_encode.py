@@ -20,25 +20,36 @@ import numpy as np
 
 from actors.config import GenerateConfig
 from cluster.config import DataConfig
-from cluster.loss_mask import TemplateShapeError, TurnShape, token_mask, token_mask_by_prefix
+from cluster.content_format import content_format, for_template
+from cluster.conversation import SHAREGPT_SYSTEM_FIELD, parse_openai, parse_sharegpt, type_name
+from cluster.loss_mask import (
+    Render,
+    TemplateShapeError,
+    TurnShape,
+    token_mask,
+    token_mask_by_prefix,
+)
 from cluster.plan_sources import PlanError
 
 NO_TEMPLATE = "the model has no chat template; set data.chat_template"
 NO_ASSISTANT = "no assistant turn to train on"
 NO_MASKED_TOKENS = "the chat template marks no assistant tokens"
 NOTHING_TO_ANSWER = "nothing for the model to answer: {what}"
+UNRENDERED = "the chat template does not render {what} (it has no tool support)"
+_TO_WRITE = {"role": "assistant", "content": None}  # a turn the model writes, all of it anew
 # The same test transformers uses to decide whether a template can return an assistant mask.
 _GENERATION_TAG = re.compile(r"\{%-?\s*generation\s*-?%\}")
 
 
 @dataclass
 class Row:
-    """One input row after its field checks: a reject reason, or text, or messages."""
+    """One input row after its field checks: a reject reason, or text, or a conversation."""
 
     own_id: str | None  # the row's id field; None: the row is named by its location
     reason: str | None = None
     text: str | None = None
     messages: list[dict[str, Any]] | None = None
+    tools: list[dict[str, Any]] | None = None  # the row's tool definitions, for the template
 
 
 Encoded = tuple[np.ndarray, np.ndarray]  # int32 token ids, uint8 loss mask
@@ -46,22 +57,17 @@ Encoded = tuple[np.ndarray, np.ndarray]  # int32 token ids, uint8 loss mask
 PromptEncoded = tuple[np.ndarray, np.ndarray, list[int]]
 
 
-def _type_name(value: Any) -> str:
-    names = {type(None): "null", dict: "object", str: "string"}
-    return names.get(type(value), type(value).__name__)
-
-
 def parse_row(value: Any, reason: str | None, data: DataConfig) -> Row:
     """The id and field checks of one raw row (`reason`: it could not even be parsed)."""
     if reason is None and not isinstance(value, dict):
-        reason = f"row must be a JSON object, got {_type_name(value)}"
+        reason = f"row must be a JSON object, got {type_name(value)}"
     if reason is not None:
         return Row(None, reason)
     own_id = value.get(data.id_field)
     if own_id is not None:
         if isinstance(own_id, bool) or not isinstance(own_id, str | int):
             return Row(
-                None, f"{data.id_field} must be a string or an integer, got {_type_name(own_id)}"
+                None, f"{data.id_field} must be a string or an integer, got {type_name(own_id)}"
             )
         if own_id == "":
             return Row(None, f"{data.id_field} is an empty string")
@@ -72,39 +78,65 @@ def parse_row(value: Any, reason: str | None, data: DataConfig) -> Row:
 
 
 def _parse_content(own_id: str | None, row: dict[str, Any], data: DataConfig) -> Row:
-    tf, mf = data.text_field, data.messages_field
-    text, messages = row.get(tf), row.get(mf)
-    if text is not None and messages is not None:
-        return Row(own_id, f"row has both {tf} and {mf}")
-    if text is None and messages is None:
-        return Row(own_id, f"row has neither {tf} nor {mf}")
-    if text is not None:
-        if not isinstance(text, str):
-            return Row(own_id, f"{tf} must be a string, got {_type_name(text)}")
-        if not text or text.isspace():
-            return Row(own_id, "text is only whitespace" if text else "empty text")
-        return Row(own_id, text=text)
-    reason = _check_messages(messages, mf, data.roles)
-    if reason:
-        return Row(own_id, reason)
-    # Parquet / HF datasets give every message every key of the column's struct: drop nulls.
-    return Row(own_id, messages=[{k: v for k, v in m.items() if v is not None} for m in messages])
+    schema = data.row_schema
+    if schema == "auto":
+        schema = _detect_schema(row, data)
+        if schema not in ("text", "openai", "sharegpt"):
+            return Row(own_id, schema)
+    if schema == "text":
+        return _parse_text(own_id, row.get(data.text_field), data.text_field)
+    if schema == "openai":
+        field = data.messages_field
+        conv = parse_openai(
+            row.get(field), row.get(data.tools_field), field, data.tools_field, data.roles
+        )
+    else:
+        field = data.conversations_field
+        if data.row_schema == "auto" and row.get(field) is None:  # {from, value} in messages
+            field = data.messages_field
+        conv = parse_sharegpt(
+            row.get(field),
+            row.get(data.tools_field),
+            row.get(SHAREGPT_SYSTEM_FIELD),
+            field,
+            data.tools_field,
+            data.roles,
+        )
+    if isinstance(conv, str):
+        return Row(own_id, conv)
+    return Row(own_id, messages=conv.messages, tools=conv.tools)
 
 
-def _check_messages(messages: Any, mf: str, roles: list[str]) -> str | None:
-    if not isinstance(messages, list):
-        return f"{mf} must be a list, got {_type_name(messages)}"
-    if not messages:
-        return "empty messages"
-    for i, message in enumerate(messages):
-        if not isinstance(message, dict):
-            return f"{mf}[{i}] must be an object, got {_type_name(message)}"
-        for key in ("role", "content"):
-            if not isinstance(message.get(key), str):
-                return f"{mf}[{i}].{key} must be a string, got {_type_name(message.get(key))}"
-        if message["role"] not in roles:
-            return f"{mf}[{i}].role {message['role']!r} is not one of data.roles {roles}"
-    return None
+def _detect_schema(row: dict[str, Any], data: DataConfig) -> str:
+    """The row's shape from the one field it holds (a null field counts as absent: columnar
+    formats have every column in every row), or a reject reason."""
+    fields = (data.text_field, data.messages_field, data.conversations_field)
+    held = [f for f in fields if row.get(f) is not None]
+    if len(held) > 1:
+        return f"row has both {held[0]} and {held[1]}"
+    if not held:
+        return f"row has none of {', '.join(fields)}"
+    if held[0] == data.text_field:
+        return "text"
+    if held[0] == data.conversations_field or _looks_sharegpt(row[held[0]]):
+        return "sharegpt"
+    return "openai"
+
+
+def _looks_sharegpt(messages: Any) -> bool:
+    first = messages[0] if isinstance(messages, list) and messages else None
+    # role null: a columnar file whose other rows hold OpenAI messages in the same column
+    return isinstance(first, dict) and "from" in first and first.get("role") is None
+
+
+def _parse_text(own_id: str | None, text: Any, field: str) -> Row:
+    if text is None:
+        return Row(own_id, f"row has no {field}")
+    if not isinstance(text, str):
+        return Row(own_id, f"{field} must be a string, got {type_name(text)}")
+    if not text or text.isspace():
+        return Row(own_id, "text is only whitespace" if text else "empty text")
+    return Row(own_id, text=text)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -182,6 +214,7 @@ class Encoder:
         self.tok = tokenizer
         self.generate = generate
         self.template = template
+        self.content_format = content_format(template, data.content_format)
         self.assistant_only = data.loss_mask == "assistant"
         self.max_length = data.max_length
         self.vocab = vocab
@@ -211,14 +244,15 @@ class Encoder:
         row's prompt instead, the tokens the model answers, with a mask of zeros."""
         if self.generate is not None:
             return [r.reason or self._encode_prompt(r) for r in rows]
-        results: list[Any] = [r.reason or "" for r in rows]  # "": filled in below
+        # "": filled in below
+        results: list[Any] = [r.reason or self._unrendered(r.messages, r.tools) or "" for r in rows]
         texts = [i for i, r in enumerate(rows) if r.text is not None]
-        chats = [i for i, r in enumerate(rows) if r.messages is not None]
+        chats = [i for i, r in enumerate(rows) if r.messages is not None and not results[i]]
         if texts:
             ids = self.tok([rows[i].text for i in texts], add_special_tokens=True)["input_ids"]
             for i, row_ids in zip(texts, ids, strict=True):
                 results[i] = (row_ids, None)
-        encoded = self._encode_chats([rows[i].messages for i in chats])
+        encoded = self._encode_chats([rows[i] for i in chats])
         for i, result in zip(chats, encoded, strict=True):
             results[i] = result
         return [r if isinstance(r, str) else self._check(*r) for r in results]
@@ -228,20 +262,28 @@ class Encoder:
     def prompt_of(self, row: Row) -> list[dict[str, Any]] | str:
         """What the model answers: a text row's text, or a chat row's messages with a null
         content where the model writes a turn: the last assistant turn (`generate.turns`
-        last) or every one (all), plus one after a conversation that ends with another role."""
+        last) or every one (all), plus one after a conversation that ends with another role.
+        With `all`, a recorded tool call that tool results answer stays as recorded: a call
+        written anew would not be the one they answer (docs/design/generation.md)."""
         assert self.generate is not None
         if row.messages is None:
             return str(row.text)
-        messages = [dict(m) for m in row.messages]
-        last = self.generate.turns == "last"
-        if last and messages[-1]["role"] == "assistant":
-            messages = messages[:-1]
-        for m in messages:
-            if m["role"] == "assistant" and not last:
-                m["content"] = None
+        messages = list(row.messages)
+        if self.generate.turns == "last":
+            if messages[-1]["role"] == "assistant":
+                messages = messages[:-1]
+        else:
+            answered = [
+                "tool_calls" in m and k + 1 < len(messages) and messages[k + 1]["role"] == "tool"
+                for k, m in enumerate(messages)
+            ]
+            messages = [
+                _TO_WRITE if m["role"] == "assistant" and not kept else m
+                for m, kept in zip(messages, answered, strict=True)
+            ]
         if not messages or messages[-1]["role"] != "assistant":
-            messages.append({"role": "assistant", "content": None})
-        return messages
+            messages.append(_TO_WRITE)
+        return [dict(m) for m in messages]
 
     @functools.cache  # noqa: B019 (one per encoder, and an encoder lives as long as its job)
     def turn_end(self, chat: bool) -> list[int] | str:
@@ -269,8 +311,10 @@ class Encoder:
                 return NOTHING_TO_ANSWER.format(what="no turn before the assistant's")
             if (before := prompt[-2]["role"]) in ("assistant", "system"):
                 return NOTHING_TO_ANSWER.format(what=f"the turn before it is the {before}'s")
+            if reason := self._unrendered(prompt, row.tools):
+                return reason
             try:
-                segments = self._segments(prompt)
+                segments = self._segments(prompt, row.tools)
             except Exception as exc:  # a template is user code; its errors are the row's
                 return f"chat template error: {exc}"
             if isinstance(segments, str):
@@ -291,7 +335,9 @@ class Encoder:
             return checked
         return checked[0], np.zeros(len(ids), np.uint8), [len(seg) for seg in segments]
 
-    def _segments(self, messages: list[dict[str, Any]]) -> list[list[int]] | str:
+    def _segments(
+        self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None
+    ) -> list[list[int]] | str:
         """Each turn to write's preceding tokens. With one turn: the rendering of the messages
         before it with the template's generation prompt. With several, or with a template that
         has none (add_generation_prompt changes nothing: that rendering ends before the
@@ -301,12 +347,13 @@ class Encoder:
         shape = self._turn_shape()
         if isinstance(shape, str):
             return shape
+        render = self._renderer(tools)
         if shape.generation_prompt and sum(m["content"] is None for m in messages) == 1:
-            return [self._tokenize([self._render(messages[:-1], True)])[0]]
+            return [self._tokenize([render(messages[:-1], True)])[0]]
         probe = "HSXPROBEASSISTANT"
         filled = [{**m, "content": probe} if m["content"] is None else m for m in messages]
-        text = self._render(filled, False)
-        spans = shape.assistant_spans(text, filled)
+        text = render(filled, False)
+        spans = shape.assistant_spans(text, filled, render)
         if isinstance(spans, str):
             return spans
         to_write = [m["content"] is None for m in messages if m["role"] == "assistant"]
@@ -330,30 +377,59 @@ class Encoder:
             return NO_MASKED_TOKENS
         return arr.astype(np.int32), mask_arr
 
-    def _encode_chats(self, convs: list[list[dict[str, Any]]]) -> list[Any]:
-        if not convs:
+    def _encode_chats(self, rows: list[Row]) -> list[Any]:
+        if not rows:
             return []
         if self.template is None:
-            return [NO_TEMPLATE] * len(convs)
+            return [NO_TEMPLATE] * len(rows)
         if not self.assistant_only:
-            return self._encode_rendered(convs, masked=False)
-        results: list[Any] = [NO_ASSISTANT] * len(convs)
-        todo = [i for i, c in enumerate(convs) if any(m["role"] == "assistant" for m in c)]
+            return self._encode_rendered(rows, masked=False)
+        results: list[Any] = [NO_ASSISTANT] * len(rows)
+        todo = [i for i, r in enumerate(rows) if any(m["role"] == "assistant" for m in r.messages)]
         if self.use_markers:
-            encoded = self._encode_marked([convs[i] for i in todo])
+            encoded = self._encode_marked([rows[i] for i in todo])
         else:
-            encoded = self._encode_rendered([convs[i] for i in todo], masked=True)
+            encoded = self._encode_rendered([rows[i] for i in todo], masked=True)
         for i, result in zip(todo, encoded, strict=True):
             results[i] = result
         return results
 
-    def _render(self, messages: list[dict[str, Any]], generation_prompt: bool) -> str:
+    def _unrendered(
+        self, messages: list[dict[str, Any]] | None, tools: list[dict[str, Any]] | None
+    ) -> str | None:
+        """Why the template cannot render a conversation's tools or tool calls: its rendering
+        is the same without them (a template without tool support)."""
+        calls = [k for k, m in enumerate(messages or []) if "tool_calls" in m]
+        if not (messages and self.template and (tools or calls)):
+            return None
+        try:
+            text = self._render(messages, False, tools)
+            if tools and text == self._render(messages, False, None):
+                return UNRENDERED.format(what="the row's tools")
+            without = [{k: v for k, v in m.items() if k != "tool_calls"} for m in messages]
+            if calls and text == self._render(without, False, tools):
+                return UNRENDERED.format(what=f"the tool calls of messages[{calls[0]}]")
+        except Exception as exc:  # a template is user code; its errors are the row's
+            return f"chat template error: {exc}"
+        return None
+
+    def _render(
+        self,
+        messages: list[dict[str, Any]],
+        generation_prompt: bool,
+        tools: list[dict[str, Any]] | None = None,
+    ) -> str:
         return self.tok.apply_chat_template(
-            messages,
+            for_template(messages, self.content_format),
+            tools=tools,
             chat_template=self.template,
             tokenize=False,
             add_generation_prompt=generation_prompt,
         )
+
+    def _renderer(self, tools: list[dict[str, Any]] | None) -> Render:
+        """`_render` for one row: with its tools."""
+        return lambda messages, generation_prompt: self._render(messages, generation_prompt, tools)
 
     def _turn_shape(self) -> TurnShape | str:
         if self._shape is None:
@@ -366,22 +442,24 @@ class Encoder:
                 )
         return self._shape
 
-    def _encode_rendered(self, convs: list[list[dict[str, Any]]], masked: bool) -> list[Any]:
+    def _encode_rendered(self, rows: list[Row], masked: bool) -> list[Any]:
         """One rendering per conversation, one batch tokenizer call; masks from the assistant
         turns' character spans (cluster/loss_mask.py)."""
         shape = self._turn_shape() if masked else None
         if isinstance(shape, str):
-            return [shape] * len(convs)
+            return [shape] * len(rows)
         results: list[Any] = []
         texts: list[str] = []
         spans: list[Any] = []
-        for conv in convs:
+        for row in rows:
+            assert row.messages is not None
+            render = self._renderer(row.tools)
             try:
-                text = self._render(conv, False)
+                text = render(row.messages, False)
             except Exception as exc:  # a template is user code; its errors are the row's
                 results.append(f"chat template error: {exc}")
                 continue
-            span = shape.assistant_spans(text, conv) if shape else []
+            span = shape.assistant_spans(text, row.messages, render) if shape else []
             results.append(span if isinstance(span, str) else "")
             if not isinstance(span, str):
                 texts.append(text)
@@ -421,22 +499,34 @@ class Encoder:
     def _tokenize(self, texts: list[str]) -> list[list[int]]:
         return self.tok(texts, add_special_tokens=False)["input_ids"] if texts else []
 
-    def _encode_marked(self, convs: list[list[dict[str, Any]]]) -> list[Any]:
+    def _encode_marked(self, rows: list[Row]) -> list[Any]:
+        """transformers' assistant masks; rows without tools in one call (its batch takes one
+        `tools` for every conversation), each row with tools on its own."""
+        results: list[Any] = [""] * len(rows)
+        plain = [i for i, r in enumerate(rows) if r.tools is None]
         try:
-            return list(self._apply_marked(convs))
+            for i, result in zip(plain, self._apply_marked([rows[i] for i in plain]), strict=True):
+                results[i] = result
+            done = set(plain)
         except Exception:  # one row's template error fails the batch: find it row by row
-            pass
-        results: list[Any] = []
-        for conv in convs:
+            done = set()
+        for i, row in enumerate(rows):
+            if i in done:
+                continue
             try:
-                results.extend(self._apply_marked([conv]))
+                results[i] = self._apply_marked([row], row.tools)[0]
             except Exception as exc:  # a template is user code; its errors are the row's
-                results.append(f"chat template error: {exc}")
+                results[i] = f"chat template error: {exc}"
         return results
 
-    def _apply_marked(self, convs: list[list[dict[str, Any]]]) -> list[tuple[list[int], list[int]]]:
+    def _apply_marked(
+        self, rows: list[Row], tools: list[dict[str, Any]] | None = None
+    ) -> list[tuple[list[int], list[int]]]:
+        if not rows:
+            return []
         out = self.tok.apply_chat_template(
-            convs,
+            [for_template(r.messages or [], self.content_format) for r in rows],
+            tools=tools,
             chat_template=self.template,
             tokenize=True,
             return_dict=True,

@@ -20,6 +20,7 @@ from typing import Any
 import pyarrow as pa
 
 from cluster.config import DataConfig
+from cluster.conversation import SHAREGPT_SYSTEM_FIELD
 from hsx_store.model_identity import sha256_file
 
 PART_BYTES = 4 << 20  # of a JSONL file per part
@@ -146,7 +147,14 @@ def _read_jsonl(part: Part) -> tuple[Iterator[RawRow], int]:
 
 
 def _wanted_columns(names: Iterable[str], data: DataConfig) -> list[str]:
-    wanted = (data.id_field, data.text_field, data.messages_field)
+    wanted = (
+        data.id_field,
+        data.text_field,
+        data.messages_field,
+        data.conversations_field,
+        data.tools_field,
+        SHAREGPT_SYSTEM_FIELD,
+    )
     return [n for n in names if n in wanted]
 
 
@@ -191,11 +199,22 @@ def _read_hf(part: Part, data: DataConfig) -> tuple[Iterator[RawRow], int]:
 
 
 def _numbered(batches: Iterable[pa.RecordBatch]) -> Iterator[RawRow]:
+    """Columnar rows as a JSON line would hold them: Arrow gives every struct every key of its
+    column, null where a row has none (a tool's schema would gain null properties)."""
     index = 0
     for batch in batches:
         for row in batch.to_pylist():
-            yield index, row, None
+            yield index, without_nulls(row), None
             index += 1
+
+
+def without_nulls(value: Any) -> Any:
+    """`value` with null object members dropped, at every depth."""
+    if isinstance(value, dict):
+        return {k: without_nulls(v) for k, v in value.items() if v is not None}
+    if isinstance(value, list):
+        return [without_nulls(v) for v in value]
+    return value
 
 
 def sha256_source(path: Path) -> str:

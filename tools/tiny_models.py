@@ -28,18 +28,33 @@ SEED = 1234
 VOCAB_SIZE = 1024
 SPECIAL_TOKENS = ["<|pad|>", "<|bos|>", "<|eos|>", "<|im_start|>", "<|im_end|>"]
 
-# `{% generation %}` marks assistant tokens, so `apply_chat_template(...,
-# return_assistant_tokens_mask=True)` yields the loss mask.
-CHAT_TEMPLATE = (
+# ChatML with tools (Qwen2.5's way: definitions in a system turn, each call a <tool_call> of
+# JSON) and reasoning (a <think> block before the content). `{% generation %}` marks every
+# token the assistant writes, so `apply_chat_template(..., return_assistant_tokens_mask=True)`
+# yields the loss mask. A row without tools, calls or reasoning renders as plain ChatML.
+CHAT_TEMPLATE = (  # Jinja runs with trim_blocks: a newline right after a tag is an expression
     "{{ bos_token }}"
+    "{% if tools %}<|im_start|>system\n# Tools\n<tools>"
+    "{% for tool in tools %}{{ '\\n' }}{{ tool | tojson }}{% endfor %}"
+    "{{ '\\n' }}</tools><|im_end|>\n{% endif %}"
     "{% for message in messages %}"
     "<|im_start|>{{ message['role'] }}\n"
     "{% if message['role'] == 'assistant' %}"
-    "{% generation %}{{ message['content'] }}<|im_end|>{% endgeneration %}\n"
+    "{% generation %}"
+    "{% if message.reasoning_content %}<think>\n{{ message.reasoning_content }}\n</think>\n\n"
+    "{% endif %}"
+    "{{ message['content'] }}"
+    "{% for call in message.tool_calls or [] %}"
+    "{% if message['content'] or not loop.first %}{{ '\\n' }}{% endif %}<tool_call>\n"
+    "{{ {'name': call.function.name, 'arguments': call.function.arguments} | tojson }}"
+    "\n</tool_call>{% endfor %}"
+    "<|im_end|>{% endgeneration %}\n"
     "{% else %}{{ message['content'] }}<|im_end|>\n{% endif %}"
     "{% endfor %}"
     "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
 )
+# Bumped whenever what write_model makes changes: older copies are then made again.
+MODEL_VERSION = 2
 
 _WORDS = (
     "the of and to in is that for it as with was on be by this are from at or an have not "
@@ -196,18 +211,26 @@ def write_model(name: str, out_dir: Path, tokenizer: PreTrainedTokenizerFast) ->
     path = out_dir / name
     model.save_pretrained(path, safe_serialization=True)
     tokenizer.save_pretrained(path)
-    (path / "tiny_model.json").write_text(json.dumps({"preset": name, "seed": SEED}))
+    marker = {"preset": name, "seed": SEED, "version": MODEL_VERSION}
+    (path / "tiny_model.json").write_text(json.dumps(marker))
     return path
 
 
 def ensure_models(out_dir: Path, names: Iterable[str] = tuple(PRESETS)) -> dict[str, Path]:
     """Write the named models unless a complete copy is already in out_dir."""
     out_dir.mkdir(parents=True, exist_ok=True)
-    missing = [n for n in names if not (out_dir / n / "tiny_model.json").exists()]
+    missing = [n for n in names if _version(out_dir / n) != MODEL_VERSION]
     tokenizer = make_tokenizer() if missing else None
     for name in missing:
         write_model(name, out_dir, tokenizer)
     return {n: out_dir / n for n in names}
+
+
+def _version(path: Path) -> int | None:
+    try:
+        return json.loads((path / "tiny_model.json").read_text()).get("version")
+    except (OSError, ValueError):
+        return None
 
 
 def main() -> None:

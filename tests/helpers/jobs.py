@@ -168,9 +168,10 @@ def expected_ids(model: Path, row: dict[str, Any]) -> list[int]:
     tokenizer = tokenizer_of(model)
     if "text" in row:
         return tokenizer(row["text"])["input_ids"]
-    return list(
-        tokenizer.apply_chat_template(row["messages"], tokenize=True, return_dict=True)["input_ids"]
+    out = tokenizer.apply_chat_template(
+        row["messages"], tools=row.get("tools"), tokenize=True, return_dict=True
     )
+    return list(out["input_ids"])
 
 
 def assert_exactly_once(store: Store, rows: list[dict[str, Any]], model: Path) -> None:

@@ -13,11 +13,41 @@ from transformers import AutoTokenizer
 WORDS = "a draft model learns what the target model would say next at every token".split()
 
 
+# Short: the tiny tokenizer spends about a token a character on JSON, and test jobs take 256.
+TOOLS = [{"type": "function", "function": {"name": "lookup", "parameters": {}}}]
+
+
+def agentic_row(i: int, text: str) -> dict[str, Any]:
+    """A row as an agent's log holds it, in the form a template takes (content "" on the
+    call, arguments an object): tools, reasoning, a call, its result, the answer."""
+    function = {"name": "lookup", "arguments": {"word": WORDS[i % len(WORDS)]}}
+    call = {"id": f"call-{i}", "type": "function", "function": function}
+    return {
+        "id": f"agent-{i}",
+        "tools": TOOLS,
+        "messages": [
+            {"role": "user", "content": f"{text} #{i}?"},
+            {
+                "role": "assistant",
+                "content": "",
+                "reasoning_content": "look it up",
+                "tool_calls": [call],
+            },
+            {"role": "tool", "tool_call_id": f"call-{i}", "content": "a draft model"},
+            {"role": "assistant", "content": "it is a draft model."},
+        ],
+    }
+
+
 def good_rows(count: int) -> list[dict[str, Any]]:
-    """Chat rows (some with two assistant turns) and plain text rows of varied lengths."""
+    """Chat rows (some with two assistant turns, the eleventh an agent's: TOOLS, a call, its
+    result) and plain text rows of varied lengths."""
     rows = []
     for i in range(count):
         text = " ".join(WORDS[(i * 5 + k) % len(WORDS)] for k in range(3 + (i * 7) % 30))
+        if i == 10:
+            rows.append(agentic_row(i, text))
+            continue
         if i % 3 == 2:
             rows.append({"id": f"text-{i}", "text": f"{text} #{i}."})
             continue

@@ -36,7 +36,7 @@ from tests.helpers.jobs import (
     job_config,
     tokenizer_of,
 )
-from tests.helpers.prompts import write_prompts
+from tests.helpers.prompts import TOOLS, agentic_row, write_prompts
 from tests.helpers.ray_cluster import SimulatedCluster
 from tests.helpers.servers import DEEPSEEK_FLOAT32, ServerPool
 from tests.helpers.throttling import WRITE_RATE, through
@@ -76,13 +76,15 @@ def generated_job(
     s3: S3Server,
     sglang_servers: ServerPool,
 ) -> GeneratedJob:
-    """9 prompts (chat rows with one or two assistant turns, text rows) and one with no room for
+    """9 prompts (chat rows with one or two assistant turns, text rows), an agent's (tools, a
+    recorded call and its result, then the turn written anew) and one with no room for
     max_new_tokens; two greedy responses each, 4 samples a shard (a part: 2 prompts). The
     worker that kept the first part is killed at once; the driver replaces it. A follow
     reader, on S3, follows the store from then on, as its plan grows with the responses."""
     root = tmp_path_factory.mktemp("generate-job")
-    rows = write_prompts(root / "prompts.jsonl", 9)
+    rows = [*write_prompts(root / "prompts.jsonl", 9), agentic_row(9, "what is a drafter")]
     with (root / "prompts.jsonl").open("a") as f:
+        f.write(json.dumps(rows[-1]) + "\n")
         f.write(json.dumps({"id": "too-long", "text": "word " * 250}) + "\n")
     # The random model never ends a turn by itself: a stop string taken from what it writes
     # in the first turn of a two-turn conversation ends that turn early, so the second is
@@ -134,11 +136,16 @@ def generated_job(
 
 
 def chatml_turns(
-    server: Any, model: Path, messages: list[dict[str, str]], stop: list[str]
+    server: Any,
+    model: Path,
+    messages: list[dict[str, Any]],
+    stop: list[str],
+    tools: list[dict[str, Any]] | None = None,
 ) -> tuple[list[int], list[int]]:
     """A conversation's every assistant turn written anew, turn by turn, by a client of its
-    own: the tiny model's ChatML built by hand, each turn's prompt the tokens so far. Returns
-    the tokens and the mask of the written turns."""
+    own: the tiny model's ChatML built by hand (with its tools first, a recorded call kept as
+    it is where a tool result answers it), each turn's prompt the tokens so far. Returns the
+    tokens and the mask of the written turns."""
     tokenizer = tokenizer_of(model)
 
     def tokens(text: str) -> list[int]:
@@ -146,7 +153,18 @@ def chatml_turns(
 
     end = tokens("<|im_end|>")
     ids, mask, text = [], [], "<|bos|>"
+    if tools:
+        listed = "".join("\n" + json.dumps(tool) for tool in tools)
+        text += f"<|im_start|>system\n# Tools\n<tools>{listed}\n</tools><|im_end|>\n"
     for m in messages:
+        if "tool_calls" in m:  # kept: the tool result after it answers it
+            (call,) = m["tool_calls"]
+            written = {"name": call["function"]["name"], "arguments": call["function"]["arguments"]}
+            text += (
+                f"<|im_start|>assistant\n<think>\n{m['reasoning_content']}\n</think>\n\n"
+                f"<tool_call>\n{json.dumps(written)}\n</tool_call><|im_end|>"
+            )
+            continue
         if m["role"] != "assistant":
             text += f"<|im_start|>{m['role']}\n{m['content']}<|im_end|>\n"
             continue
@@ -187,7 +205,7 @@ def test_each_sample_is_its_prompt_and_the_turns_an_independent_client_writes(
     for row in generated_job.rows:
         if "messages" in row:
             expected, mask = chatml_turns(
-                server, deepseek_path, row["messages"], generated_job.stop
+                server, deepseek_path, row["messages"], generated_job.stop, row.get("tools")
             )
         else:  # a text row: the model continues it
             prompt = tokenizer(row["text"])["input_ids"]
@@ -306,9 +324,15 @@ def test_the_responses_are_readable_on_their_own_and_the_report_counts_them(
         assert all(t["finish_reason"] in ("stop", "length") for t in c["turns"])
         assert c["sampling"]["max_new_tokens"] == MAX_NEW_TOKENS
         assert c["model"]["weights_fingerprint"] == store.manifest.weights_fingerprint
-        if "messages" in c:  # the written turns in place of the originals
-            written = [m["content"] for m in c["messages"] if m["role"] == "assistant"]
-            assert written == [t["text"] for t in c["turns"]]
+        if "messages" in c:  # the written turns in place of the originals, a kept call as it was
+            written = [m for m in c["messages"] if m["role"] == "assistant"]
+            assert [m["content"] for m in written if "tool_calls" not in m] == [
+                t["text"] for t in c["turns"]
+            ]
+    agents = [c for c in conversations if c["id"].startswith("agent-")]
+    assert len(agents) == 2 and all(c["tools"] == TOOLS for c in agents)
+    kept_call = agents[0]["messages"][1]
+    assert kept_call["tool_calls"] == agentic_row(9, "")["messages"][1]["tool_calls"]
     rejected = {r["sample_id"]: r["reason"] for r in store.rejected}
     assert set(rejected) == {"too-long"}
     assert "no room to generate" in rejected["too-long"]

@@ -75,25 +75,33 @@ def test_recompute_and_logprobs_pass_a_real_float32_job_and_name_a_wrong_sample(
     deepseek_job: FinishedJob, deepseek_path: Path, tmp_path: Path
 ) -> None:
     url = Path(shutil.copytree(deepseek_job.url, tmp_path / "s.zarr"))
-    # Of the three samples checked, one has plausible final rows that are not what the model
-    # computes (scaled by 1.5): it alone fails, by both checks; the other two pass.
+    # Every sample recomputed (the agent's too: tools, a call, its result), three checked by
+    # logprobs. One has plausible final rows that are not what the model computes (scaled by
+    # 1.5): it alone fails, by both checks; the others pass.
     store = Store.open(url, mode="r+")
-    checked = checked_samples(store, 3, seed=0)
-    victim = checked[1]
+    everyone = store.num_samples
+    checked = {
+        "recomputed": checked_samples(store, everyone, 0),
+        "logprobs": checked_samples(store, 3, 0),
+    }
+    assert "agent-10" in {str(store.group["sample_id"][i]) for i in checked["recomputed"]}
+    victim = checked["logprobs"][1]
     label = f"{victim} ({store.group['sample_id'][victim]})"
     rows, final = store.sample_rows(victim), store.group["final_hidden_states"]
     final[rows] = np.asarray(final[rows]) * 1.5
     said: list[str] = []
-    kw = dict(model_path=str(deepseek_path), recompute=3, logprobs=3, dump_root=str(tmp_path))
+    kw = dict(
+        model_path=str(deepseek_path), recompute=everyone, logprobs=3, dump_root=str(tmp_path)
+    )
     report = verify_command(url, say=said.append, **kw)  # --dtype from the store's manifest
     print(report.format())
 
     expected = dict.fromkeys(CHECKS, "OK") | {"recompute": "FAIL", "logprobs": "FAIL"}
     assert check_lines(report) == expected
     assert sum("starting SGLang" in line for line in said) == 1, "one server for both checks"
-    for check, key in (("recompute", "recomputed"), ("logprobs", "logprobs")):
+    for key, samples in checked.items():
         results = {r["sample"]: r["ok"] for r in report.checked[key]}
-        assert results == {i: i != victim for i in checked}, (check, results)
+        assert results == {i: i != victim for i in samples}, (key, results)
     name = f"sample {label}: final_hidden_states"
     messages = errors(report, "recompute")
     assert messages and all(m.startswith(name) for m in messages), messages

@@ -6,6 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 import yaml
 import zarr
@@ -17,9 +18,10 @@ from cluster.config import ConfigError, DataConfig, parse_config
 from cluster.generation_feed import ResponsePlanner, response_seed, sample_ids
 from cluster.job_store import open_or_create, plan_into
 from cluster.plan import PlanStream, Reject, Sample
+from cluster.plan_encode import UNRENDERED
 from hsx_store.generated import GeneratedParts, closed_turn, conversation
 from tests.helpers.jobs import job_config
-from tests.helpers.prompts import write_jsonl, write_prompts
+from tests.helpers.prompts import TOOLS, write_jsonl, write_prompts
 from tools.tiny_models import CHAT_TEMPLATE
 
 END = "<|im_end|>"
@@ -31,10 +33,15 @@ def tok(llama_path: Path) -> Any:
 
 
 def prompts(
-    path: Path, model: Path, rows: list[Any], chat_template: str = "model", **generate: Any
+    path: Path,
+    model: Path,
+    rows: list[Any],
+    chat_template: str = "model",
+    max_length: int = 128,
+    **generate: Any,
 ) -> list[Sample | Reject]:
     data = DataConfig(
-        paths=[str(write_jsonl(path, rows))], max_length=128, chat_template=chat_template
+        paths=[str(write_jsonl(path, rows))], max_length=max_length, chat_template=chat_template
     )
     stream = PlanStream(data, model, generate=GenerateConfig(**generate))
     return [item for item in stream if isinstance(item, Sample | Reject)]
@@ -95,6 +102,11 @@ def test_every_turn_written_anew_has_the_text_between_turns_as_its_segments(
 GENERATION_PROMPT = "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
 assert GENERATION_PROMPT in CHAT_TEMPLATE
 NO_GENERATION_PROMPT = CHAT_TEMPLATE.replace(GENERATION_PROMPT, "")
+# ChatML that prints every message's content and nothing else: no tools, no calls.
+NO_TOOLS_TEMPLATE = (
+    "{% for message in messages %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}"
+    "<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
 
 
 @pytest.mark.parametrize(
@@ -166,6 +178,74 @@ def test_prompts_without_room_or_a_turn_to_answer_are_rejected_naming_why(
     assert "no room to generate" in reasons["long"] and "max_new_tokens 64" in reasons["long"]
     assert "the turn before it is the system's" in reasons["system-only"]
     assert "no turn before the assistant's" in reasons["only-assistant"]
+
+
+CALL = {"type": "function", "function": {"name": "lookup", "arguments": {"word": "draft"}}}
+AGENT = [
+    {"role": "user", "content": "what is a draft?"},
+    {"role": "assistant", "content": "", "tool_calls": [CALL]},
+    {"role": "tool", "content": "a model"},
+    {"role": "assistant", "content": "a small model."},
+]
+
+
+def test_an_agents_prompt_holds_its_tools_and_the_calls_its_results_answer(
+    tmp_path: Path, llama_path: Path, tok: Any
+) -> None:
+    """`last`: everything before the last turn as the row has it, tools included. `all`: a
+    recorded call that a tool result answers stays as recorded (a call written anew would
+    not be the one it answers), every other assistant turn is written anew: the text turns,
+    and a call that ends the row."""
+    rows = [
+        {"id": "agent", "messages": AGENT, "tools": TOOLS},
+        {"id": "ends-in-a-call", "messages": AGENT[:2], "tools": TOOLS},
+    ]
+    agent, ends = prompts(tmp_path / "p.jsonl", llama_path, rows, max_length=512, max_new_tokens=8)
+    assert isinstance(agent, Sample) and isinstance(ends, Sample)
+    reference = tok.apply_chat_template(
+        AGENT[:3], tools=TOOLS, add_generation_prompt=True, tokenize=True, return_dict=True
+    )
+    assert agent.input_ids.tolist() == list(reference["input_ids"])
+    assert agent.prompt["tools"] == TOOLS and agent.prompt["prompt"][:3] == AGENT[:3]
+    assert ends.prompt["prompt"] == [AGENT[0], {"role": "assistant", "content": None}]
+
+    written = {"role": "assistant", "content": None}
+    two = [*AGENT[:1], {"role": "assistant", "content": "let me see"}, *AGENT]
+    rows = [{"id": "two", "messages": two, "tools": TOOLS}, *rows[1:]]
+    got, ends = prompts(
+        tmp_path / "p.jsonl", llama_path, rows, max_length=512, turns="all", max_new_tokens=8
+    )
+    assert isinstance(got, Sample) and isinstance(ends, Sample)
+    assert got.prompt["prompt"] == [AGENT[0], written, AGENT[0], AGENT[1], AGENT[2], written]
+    assert ends.prompt["prompt"] == [AGENT[0], written]
+    # The second segment holds the kept call and its result, up to the header written after.
+    first, second = np.split(got.input_ids, [got.prompt["segments"][0]])
+    reference = tok.apply_chat_template(
+        [AGENT[0]], tools=TOOLS, add_generation_prompt=True, tokenize=True, return_dict=True
+    )
+    assert first.tolist() == list(reference["input_ids"])
+    call = '<tool_call>\n{"name": "lookup", "arguments": {"word": "draft"}}\n</tool_call>'
+    assert tok.decode(second.tolist()) == (
+        "<|im_start|>user\nwhat is a draft?<|im_end|>\n<|im_start|>assistant\n"
+        f"{call}<|im_end|><|im_start|>tool\na model<|im_end|>\n<|im_start|>assistant\n"
+    )
+
+
+def test_an_agents_row_on_a_template_without_tool_support_is_rejected_naming_why(
+    tmp_path: Path, llama_path: Path
+) -> None:
+    (tmp_path / "plain.jinja").write_text(NO_TOOLS_TEMPLATE)
+    rows = [
+        {"id": "agent", "messages": AGENT, "tools": TOOLS},
+        {"id": "chat", "messages": AGENT[:1]},
+    ]
+    for turns in ("last", "all"):
+        agent, chat = prompts(
+            tmp_path / "p.jsonl", llama_path, rows, str(tmp_path / "plain.jinja"), 512,
+            turns=turns, max_new_tokens=8,
+        )  # fmt: skip
+        assert isinstance(agent, Reject) and isinstance(chat, Sample)
+        assert agent.reason == UNRENDERED.format(what="the row's tools")
 
 
 def record(*turns: tuple[list[int], str], segments: list[list[int]] | None = None) -> dict:

@@ -15,7 +15,7 @@ import pytest
 from cluster import plan as plan_mod
 from cluster import plan_sources
 from cluster.config import DataConfig
-from cluster.loss_mask import BOUNDARY_MERGED, NOT_AS_WRITTEN
+from cluster.loss_mask import BOUNDARY_MERGED
 from cluster.plan import (
     Plan,
     PlanError,
@@ -276,7 +276,7 @@ def test_every_reject_reason(tmp_path: Path, llama_path: Path, tok: Any) -> None
             "b",
             "row has both text and messages",
         ),
-        ({"id": "n", "other": 1}, "n", "row has neither text nor messages"),
+        ({"id": "n", "other": 1}, "n", "row has none of text, messages, conversations"),
         ({"id": "ti", "text": 5}, "ti", "text must be a string, got int"),
         ({"id": "te", "text": ""}, "te", "empty text"),
         ({"id": "ms", "messages": "hi"}, "ms", "messages must be a list, got string"),
@@ -290,12 +290,12 @@ def test_every_reject_reason(tmp_path: Path, llama_path: Path, tok: Any) -> None
         (
             {"id": "mc", "messages": [*chat("a", "b"), {"role": "user", "content": 3}]},
             "mc",
-            "messages[2].content must be a string, got int",
+            "messages[2].content must be a string or a list of parts, got int",
         ),
         (
             {"id": "mp", "messages": [{"role": "user", "content": [{"type": "text"}]}]},
             "mp",
-            "messages[0].content must be a string, got list",
+            "messages[0].content[0].text must be a string, got null",
         ),
         ({"id": "tw", "text": " \n\t "}, "tw", "text is only whitespace"),
         (
@@ -472,10 +472,11 @@ def test_a_token_merged_across_the_header_edge_is_the_turns(
     assert slow_encode(rows, data, llama_path) == [BOUNDARY_MERGED.format(turn=0)]
 
 
-def test_a_template_that_rewrites_earlier_turns_rejects_those_rows(
-    tmp_path: Path, llama_path: Path
+def test_a_template_that_rewrites_earlier_turns_gets_each_turn_as_rendered(
+    tmp_path: Path, llama_path: Path, tok: Any
 ) -> None:
     # As reasoning models' templates do: earlier assistant turns lose their "<think>" part.
+    # The mask holds what the template renders for each turn in this conversation.
     template = tmp_path / "think.jinja"
     template.write_text(
         CHATML.replace(
@@ -492,8 +493,12 @@ def test_a_template_that_rewrites_earlier_turns_rejects_those_rows(
     plan = plan_for(
         write_jsonl(tmp_path / "d.jsonl", rows), llama_path, chat_template=str(template)
     )
-    assert plan.sample_ids == ["one"]
-    assert plan.rejected == [{"sample_id": "two", "reason": NOT_AS_WRITTEN.format(turn=0)}]
+    assert plan.rejected == []
+    runs = [mask_runs(i, m, tok) for i, m in zip(plan.input_ids, plan.loss_masks, strict=True)]
+    assert runs == [
+        ["<think>hmm</think>the answer<|im_end|>"],
+        ["first<|im_end|>", "second<|im_end|>"],
+    ]
 
 
 def test_parts_give_the_same_plan_wherever_they_are_cut(

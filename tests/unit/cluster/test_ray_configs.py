@@ -86,36 +86,19 @@ def test_kimi_job() -> None:
 
 
 def test_demo_prompts() -> None:
-    lines = (RAY_CONFIGS / "demo_prompts.jsonl").read_text().splitlines()
-    rows = [json.loads(line) for line in lines]
+    """Text rows, chat rows (a system turn, two assistant turns), an agent's row (tools,
+    parallel calls, reasoning) and a ShareGPT row; planned in the test below."""
+    rows = [json.loads(line) for line in (RAY_CONFIGS / "demo_prompts.jsonl").open()]
     assert 20 <= len(rows) <= 30
-    ids = [row["id"] for row in rows]
-    assert len(set(ids)) == len(ids)
-
-    def designed_to_fail(row: dict[str, Any]) -> bool:
-        return "text" in row and row["text"] == ""
-
-    bad = [row for row in rows if designed_to_fail(row)]
-    assert bad == [rows[-1]], "exactly one deliberately bad row (empty text), the last one"
-    good = rows[:-1]
-    for row in good:
-        assert set(row) in ({"id", "text"}, {"id", "messages"}), row["id"]
-        if "text" in row:
-            assert isinstance(row["text"], str) and row["text"].strip()
-            size = len(row["text"])
-        else:
-            messages = row["messages"]
-            for m in messages:
-                assert m["role"] in ("system", "user", "assistant")
-                assert isinstance(m["content"], str) and m["content"].strip()
-            # loss_mask "assistant": a chat row needs an assistant turn to train on.
-            assert any(m["role"] == "assistant" for m in messages), row["id"]
-            size = sum(len(m["content"]) for m in messages)
-        assert size < 1500, row["id"]
-    chats = [row for row in good if "messages" in row]
-    assert sum("text" in row for row in good) >= 5 and len(chats) >= 5
-    assert any(sum(m["role"] == "assistant" for m in row["messages"]) == 2 for row in chats)
-    assert any(row["messages"][0]["role"] == "system" for row in chats)
+    assert len({row["id"] for row in rows}) == len(rows)
+    chats = [row["messages"] for row in rows if "messages" in row]
+    assert sum("text" in row for row in rows) >= 5 and len(chats) >= 5
+    assert any(sum(m["role"] == "assistant" for m in chat) == 2 for chat in chats)
+    assert any(chat[0]["role"] == "system" for chat in chats)
+    agent = next(row for row in rows if "tools" in row)
+    assert any(len(m.get("tool_calls", [])) == 2 for m in agent["messages"])
+    assert any("reasoning_content" in m for m in agent["messages"])
+    assert any("conversations" in row for row in rows)
 
 
 def test_runtime_env() -> None:
@@ -220,7 +203,7 @@ def test_demo_prompts_through_the_planner(deepseek_path: Path) -> None:
     data = config.data.model_copy(update={"paths": [str(RAY_CONFIGS / "demo_prompts.jsonl")]})
     plan = build_plan(data, deepseek_path)
     assert plan.rejected == [{"sample_id": "bad-empty", "reason": "empty text"}]
-    assert len(plan.sample_ids) == 23
+    assert len(plan.sample_ids) == 25
     lengths = [len(ids) for ids in plan.input_ids]
     assert min(lengths) >= 10 and max(lengths) <= config.data.max_length
     assert all(mask.sum() > 0 for mask in plan.loss_masks)

@@ -1,0 +1,80 @@
+"""Content parts as a chat template takes them: parts for templates that iterate them, text
+for templates that print a string.
+
+    fmt = content_format(template, "auto")         # "openai" or "string"
+    messages = for_template(messages, fmt)
+
+`auto` decides as SGLang's server does (sglang/srt/parser/jinja_template_utils.py, itself
+vLLM's `--chat-template-content-format auto`), so the captured prompt is the one SGLang serves:
+a template that names images, audio, video or vision, or that loops over a message's content,
+takes parts; any other takes a string, the text parts joined by a space. A tool turn's text
+parts are always joined (SGLang's normalize_tool_content).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+import jinja2
+import jinja2.nodes
+from transformers.utils.chat_template_utils import _compile_jinja_template
+
+from cluster.conversation import TEXT_PART_TYPES
+
+ContentFormat = Literal["openai", "string"]
+_MESSAGE_NAMES = ("message", "msg", "m")  # what templates call the loop's message
+_MULTIMODAL_WORDS = ("image", "audio", "video", "vision")
+
+
+def content_format(template: str | None, setting: str) -> ContentFormat:
+    """The setting where it is forced, else what the template's loops tell."""
+    if setting in ("openai", "string"):
+        return setting  # type: ignore[return-value]
+    if not template:
+        return "string"
+    if any(word in template for word in _MULTIMODAL_WORDS):
+        return "openai"
+    try:  # transformers' environment: its {% generation %} tag included, as SGLang parses
+        tree = _compile_jinja_template(template).environment.parse(template)
+    except jinja2.TemplateError:
+        return "string"  # rendering will say what is wrong, row by row
+    for loop in tree.find_all(jinja2.nodes.For):
+        if any(_reads_content(loop.iter, name) for name in _MESSAGE_NAMES):
+            return "openai"
+    return "string"
+
+
+def _reads_content(node: jinja2.nodes.Node, name: str) -> bool:
+    """`node` is `name.content` or `name['content']`, through filters, tests and slices."""
+    while isinstance(node, jinja2.nodes.Filter | jinja2.nodes.Test) or (
+        isinstance(node, jinja2.nodes.Getitem) and isinstance(node.arg, jinja2.nodes.Slice)
+    ):
+        if node.node is None:
+            return False
+        node = node.node
+    if isinstance(node, jinja2.nodes.Getattr):
+        key, base = node.attr, node.node
+    elif isinstance(node, jinja2.nodes.Getitem) and isinstance(node.arg, jinja2.nodes.Const):
+        key, base = node.arg.value, node.node
+    else:
+        return False
+    return key == "content" and isinstance(base, jinja2.nodes.Name) and base.name == name
+
+
+def joined_text(parts: list[dict[str, Any]]) -> str:
+    return " ".join(p["text"] for p in parts if p.get("type") in TEXT_PART_TYPES)
+
+
+def for_template(messages: list[dict[str, Any]], fmt: ContentFormat) -> list[dict[str, Any]]:
+    """`messages` with list contents in the template's format (others as they are)."""
+    out = []
+    for message in messages:
+        content = message.get("content")
+        if isinstance(content, list):
+            if fmt == "string" or message["role"] == "tool":
+                content = joined_text(content)
+            else:
+                content = [{"type": "text", "text": p["text"]} for p in content]
+            message = {**message, "content": content}
+        out.append(message)
+    return out

@@ -1,0 +1,228 @@
+"""Chat rows as users bring them, checked and put in one shape: OpenAI messages plus tools.
+
+    conv = parse_openai(row["messages"], row.get("tools"), "messages", "tools", roles)
+    conv = parse_sharegpt(row["conversations"], row.get("tools"), row.get("system"), ...)
+    # a Conversation(messages, tools), or a reject reason naming the field and what is wrong
+
+The messages reach the chat template as SGLang's /v1/chat/completions gives them for the same
+request (sglang/srt/entrypoints/openai/serving_chat.py), so the captured prompt is the served
+one: null members dropped, a null content "", a tool call's JSON `arguments` string the object
+it holds. Tools reach it as the row holds them, as transformers' `apply_chat_template(tools=)`
+takes them (SGLang 0.5.23 dumps its own Tool model instead, which adds a null `description`
+where a tool has none: a template printing tools as JSON then shows it). Content parts stay
+parts here; cluster/content_format.py shapes them for the template.
+The accepted shapes, with a row of each: docs/input-formats.md.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any
+
+# ShareGPT's `from` values and their roles, as the common converters map them (FastChat,
+# LLaMA-Factory, axolotl). `function_call` is an assistant turn calling tools.
+SHAREGPT_ROLES = {
+    "human": "user",
+    "user": "user",
+    "gpt": "assistant",
+    "assistant": "assistant",
+    "chatgpt": "assistant",
+    "system": "system",
+    "tool": "tool",
+    "observation": "tool",
+    "function_response": "tool",
+    "function_call": "assistant",
+}
+SHAREGPT_SYSTEM_FIELD = "system"  # a ShareGPT row's system prompt (LLaMA-Factory's)
+TEXT_PART_TYPES = ("text", "input_text")
+IMAGE_PART_TYPES = ("image_url", "image", "input_image")
+
+
+@dataclass(frozen=True)
+class Conversation:
+    messages: list[dict[str, Any]]
+    tools: list[dict[str, Any]] | None = None
+
+
+def type_name(value: Any) -> str:
+    names = {type(None): "null", dict: "object", str: "string", bool: "bool"}
+    return names.get(type(value), type(value).__name__)
+
+
+def parse_tools(tools: Any, field: str) -> list[dict[str, Any]] | str | None:
+    """A row's tool definitions: a list of objects, or a JSON string holding one (as many
+    datasets store them); None: the row has none."""
+    if tools is None:
+        return None
+    if isinstance(tools, str):
+        try:
+            tools = json.loads(tools)
+        except ValueError as exc:
+            return f"{field} is a string but not JSON: {exc}"
+    if not isinstance(tools, list):
+        return f"{field} must be a list, got {type_name(tools)}"
+    for i, tool in enumerate(tools):
+        if not isinstance(tool, dict):
+            return f"{field}[{i}] must be an object, got {type_name(tool)}"
+    return tools or None
+
+
+def parse_openai(
+    messages: Any, tools: Any, field: str, tools_field: str, roles: list[str]
+) -> Conversation | str:
+    """OpenAI chat messages: string or parts content, assistant tool calls, tool results."""
+    parsed_tools = parse_tools(tools, tools_field)
+    if isinstance(parsed_tools, str):
+        return parsed_tools
+    if not isinstance(messages, list):
+        return f"{field} must be a list, got {type_name(messages)}"
+    if not messages:
+        return f"empty {field}"
+    out = []
+    for i, message in enumerate(messages):
+        where = f"{field}[{i}]"
+        if not isinstance(message, dict):
+            return f"{where} must be an object, got {type_name(message)}"
+        message = {k: v for k, v in message.items() if v is not None}
+        checked = _check_message(message, where, roles)
+        if isinstance(checked, str):
+            return checked
+        out.append(checked)
+    return Conversation(out, parsed_tools)
+
+
+def _check_message(message: dict[str, Any], where: str, roles: list[str]) -> dict[str, Any] | str:
+    role = message.get("role")
+    if not isinstance(role, str):
+        return f"{where}.role must be a string, got {type_name(role)}"
+    if role not in roles:
+        return f"{where}.role {role!r} is not one of data.roles {roles}"
+    reasoning = message.get("reasoning_content")
+    if reasoning is not None and not isinstance(reasoning, str):
+        return f"{where}.reasoning_content must be a string, got {type_name(reasoning)}"
+    calls = message.get("tool_calls")
+    if calls == []:  # what many logs write for "no calls"
+        message = {k: v for k, v in message.items() if k != "tool_calls"}
+        calls = None
+    if calls is not None:
+        if role != "assistant":
+            return f"{where} has tool_calls but is a {role} turn"
+        calls = _check_tool_calls(calls, f"{where}.tool_calls")
+        if isinstance(calls, str):
+            return calls
+        message = {**message, "tool_calls": calls}
+    content = message.get("content")
+    if content is None:
+        if not calls:
+            return f"{where}.content is null (allowed only on an assistant turn with tool_calls)"
+        return {**message, "content": ""}
+    if isinstance(content, list):
+        reason = _check_parts(content, f"{where}.content")
+        return reason or message
+    if not isinstance(content, str):
+        return f"{where}.content must be a string or a list of parts, got {type_name(content)}"
+    return message
+
+
+def _check_tool_calls(calls: Any, where: str) -> list[dict[str, Any]] | str:
+    if not isinstance(calls, list) or not calls:
+        return f"{where} must be a non-empty list, got {type_name(calls)}"
+    out = []
+    for j, call in enumerate(calls):
+        function = call.get("function") if isinstance(call, dict) else None
+        if not isinstance(function, dict):
+            return f"{where}[{j}] must be an object with a function object"
+        name = function.get("name")
+        if not isinstance(name, str) or not name:
+            return f"{where}[{j}].function.name must be a non-empty string"
+        arguments = function.get("arguments", {})
+        if isinstance(arguments, str):  # OpenAI's JSON text; templates want the object
+            try:
+                arguments = json.loads(arguments)
+            except ValueError as exc:
+                return f"{where}[{j}].function.arguments is not valid JSON: {exc}"
+        if not isinstance(arguments, dict):
+            return f"{where}[{j}].function.arguments must be a JSON object"
+        out.append(
+            {
+                **call,
+                "type": call.get("type", "function"),
+                "function": {**function, "arguments": arguments},
+            }
+        )
+    return out
+
+
+def _check_parts(parts: list[Any], where: str) -> str | None:
+    if not parts:
+        return f"{where} is an empty list of parts"
+    for j, part in enumerate(parts):
+        kind = part.get("type") if isinstance(part, dict) else None
+        if kind in TEXT_PART_TYPES:
+            if not isinstance(part.get("text"), str):
+                return f"{where}[{j}].text must be a string, got {type_name(part.get('text'))}"
+        elif kind in IMAGE_PART_TYPES:
+            return f"{where}[{j}] is an image: this job captures text only"
+        elif isinstance(part, dict):
+            return f"{where}[{j}].type {kind!r} is not a text or image part"
+        else:
+            return f"{where}[{j}] must be an object, got {type_name(part)}"
+    return None
+
+
+def parse_sharegpt(
+    turns: Any, tools: Any, system: Any, field: str, tools_field: str, roles: list[str]
+) -> Conversation | str:
+    """ShareGPT `[{"from": ..., "value": ...}, ...]`, with LLaMA-Factory's optional row-level
+    `system` prompt and `tools`; a `function_call` value is the JSON of one call
+    (`{"name", "arguments"}`) or a list of them (parallel calls)."""
+    parsed_tools = parse_tools(tools, tools_field)
+    if isinstance(parsed_tools, str):
+        return parsed_tools
+    if not isinstance(turns, list):
+        return f"{field} must be a list, got {type_name(turns)}"
+    if not turns:
+        return f"empty {field}"
+    messages: list[dict[str, Any]] = []
+    if system is not None:
+        if not isinstance(system, str):
+            return f"system must be a string, got {type_name(system)}"
+        if system:
+            messages.append({"role": "system", "content": system})
+    for i, turn in enumerate(turns):
+        where = f"{field}[{i}]"
+        message = _sharegpt_message(turn, where)
+        if not isinstance(message, str):
+            message = _check_message(message, where, roles)
+        if isinstance(message, str):
+            return message
+        messages.append(message)
+    return Conversation(messages, parsed_tools)
+
+
+def _sharegpt_message(turn: Any, where: str) -> dict[str, Any] | str:
+    if not isinstance(turn, dict):
+        return f"{where} must be an object, got {type_name(turn)}"
+    speaker, value = turn.get("from"), turn.get("value")
+    if not isinstance(speaker, str):
+        return f"{where}.from must be a string, got {type_name(speaker)}"
+    if speaker not in SHAREGPT_ROLES:
+        return f"{where}.from {speaker!r} is not a ShareGPT role ({', '.join(SHAREGPT_ROLES)})"
+    if not isinstance(value, str):
+        return f"{where}.value must be a string, got {type_name(value)}"
+    if speaker != "function_call":
+        return {"role": SHAREGPT_ROLES[speaker], "content": value}
+    try:
+        calls = json.loads(value)
+    except ValueError as exc:
+        return f"{where}: a function_call value must be JSON ({exc})"
+    calls = calls if isinstance(calls, list) else [calls]
+    if not calls or not all(isinstance(c, dict) and "name" in c for c in calls):
+        return f'{where}: a function_call value must be {{"name", "arguments"}} or a list of them'
+    functions = [{"name": c["name"], "arguments": c.get("arguments", {})} for c in calls]
+    return {
+        "role": "assistant",
+        "content": None,
+        "tool_calls": [{"type": "function", "function": f} for f in functions],
+    }
