@@ -28,7 +28,7 @@ from typing import Any
 import obstore.exceptions
 import zarr.errors
 
-from cluster.config import ConfigError, JobConfig
+from cluster.config import ConfigError, DataConfig, JobConfig
 from cluster.plan import (
     PartEnd,
     PlanError,
@@ -346,13 +346,17 @@ def check_resume(store: Store, config: JobConfig) -> None:
     ]
     spec = job_spec(config, source_hashes(config.data))
     for key, value in spec.items():
-        if store.job.get(key) == value:
+        # A field newer than the store ran as its default: a data field's (tools_field,
+        # row_schema, ...), or null for `generate`.
+        field = DataConfig.model_fields.get(key)
+        stored = store.job.get(key, None if field is None else field.default)
+        if stored == value:
             continue
         if key == "sources_sha256":
-            problems += changed_sources(config.data.paths, store.job.get(key), value)
-        else:  # a store made before `generate` existed has none: the same as null
+            problems += changed_sources(config.data.paths, stored, value)
+        else:
             section = "" if key == "generate" else "data."
-            problems.append(f"{section}{key}: store {store.job.get(key)!r} != config {value!r}")
+            problems.append(f"{section}{key}: store {stored!r} != config {value!r}")
     if problems:
         raise ResumeConflict(
             f"{config.store.url} was made by a different job; refusing to resume it "

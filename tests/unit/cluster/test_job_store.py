@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 import yaml
+import zarr
 
 from cluster import plan_sources
 from cluster.__main__ import main as cli_main
@@ -71,6 +72,28 @@ def test_a_prompt_file_changed_since_the_store_was_planned_is_refused_naming_it(
 
     with pytest.raises(ResumeConflict, match=f"{prompts}: changed since the store was planned"):
         open_or_create(config, say=lambda _: None)
+
+
+def test_a_store_made_before_a_data_field_existed_resumes_with_its_default(
+    deepseek_path: Path, tmp_path: Path
+) -> None:
+    """A store's job spec holds the data fields of the release that made it: one added since
+    (`tools_field`, `row_schema`, ...) is taken as its default, which is how that job ran;
+    set otherwise, it is another job."""
+    write_prompts(tmp_path / "prompts.jsonl", 3)
+    raw = job_config(deepseek_path, tmp_path / "prompts.jsonl", tmp_path / "s.zarr", tmp_path)
+    _, _, builder = open_or_create(parse_config(raw), say=lambda _: None)
+    plan_into(builder, parse_config(raw), 0, lambda shards: None)
+    group = zarr.open_group(str(tmp_path / "s.zarr"), mode="r+")
+    job = dict(group.attrs["job"])
+    for added in ("conversations_field", "tools_field", "row_schema", "content_format"):
+        del job[added]
+    group.attrs["job"] = job
+    _, resumed, _ = open_or_create(parse_config(raw), say=lambda _: None)
+    assert resumed
+    raw["data"]["row_schema"] = "openai"
+    with pytest.raises(ResumeConflict, match=r"data\.row_schema: store 'auto' != config 'openai'"):
+        open_or_create(parse_config(raw), say=lambda _: None)
 
 
 def test_a_store_is_resumed_only_with_the_checkpoint_that_planned_it(
