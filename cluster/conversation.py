@@ -68,6 +68,12 @@ def parse_tools(tools: Any, field: str) -> list[dict[str, Any]] | str | None:
     return tools or None
 
 
+def _not_a_list(items: Any, field: str) -> str | None:
+    if not isinstance(items, list):
+        return f"{field} must be a list, got {type_name(items)}"
+    return None if items else f"empty {field}"
+
+
 def parse_openai(
     messages: Any, tools: Any, field: str, tools_field: str, roles: list[str]
 ) -> Conversation | str:
@@ -75,10 +81,8 @@ def parse_openai(
     parsed_tools = parse_tools(tools, tools_field)
     if isinstance(parsed_tools, str):
         return parsed_tools
-    if not isinstance(messages, list):
-        return f"{field} must be a list, got {type_name(messages)}"
-    if not messages:
-        return f"empty {field}"
+    if reason := _not_a_list(messages, field):
+        return reason
     out = []
     for i, message in enumerate(messages):
         where = f"{field}[{i}]"
@@ -180,10 +184,8 @@ def parse_sharegpt(
     parsed_tools = parse_tools(tools, tools_field)
     if isinstance(parsed_tools, str):
         return parsed_tools
-    if not isinstance(turns, list):
-        return f"{field} must be a list, got {type_name(turns)}"
-    if not turns:
-        return f"empty {field}"
+    if reason := _not_a_list(turns, field):
+        return reason
     messages: list[dict[str, Any]] = []
     if system is not None:
         if not isinstance(system, str):
