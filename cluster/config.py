@@ -51,8 +51,8 @@ class DataConfig(Section):
     given to the chat template as transformers' `apply_chat_template(tools=...)` does."""
     row_schema: Literal["auto", "text", "openai", "sharegpt"] = "auto"
     """auto: each row's shape from the field it holds (text_field, messages_field or
-    conversations_field; a messages list of `{from, value}` is ShareGPT); otherwise every row
-    is read as that shape from its field."""
+    conversations_field) and its turns (`{from, value}`: ShareGPT, `{role, content}`: OpenAI,
+    in either field); otherwise every row is read as that shape from its field."""
     roles: list[str] = Field(["system", "user", "assistant", "tool"])
     """The roles a message may have; a row with another is rejected."""
     chat_template: str = "model"

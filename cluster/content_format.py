@@ -67,6 +67,8 @@ def joined_text(parts: list[dict[str, Any]]) -> str:
 
 def for_template(messages: list[dict[str, Any]], fmt: ContentFormat) -> list[dict[str, Any]]:
     """`messages` with list contents in the template's format (others as they are)."""
+    if not any(isinstance(m.get("content"), list) for m in messages):
+        return messages
     out = []
     for message in messages:
         content = message.get("content")

@@ -53,7 +53,7 @@ def type_name(value: Any) -> str:
 def parse_tools(tools: Any, field: str) -> list[dict[str, Any]] | str | None:
     """A row's tool definitions: a list of objects, or a JSON string holding one (as many
     datasets store them); None: the row has none."""
-    if tools is None:
+    if tools is None or tools == "":  # "": LLaMA-Factory's "no tools"
         return None
     if isinstance(tools, str):
         try:
@@ -65,7 +65,12 @@ def parse_tools(tools: Any, field: str) -> list[dict[str, Any]] | str | None:
     for i, tool in enumerate(tools):
         if not isinstance(tool, dict):
             return f"{field}[{i}] must be an object, got {type_name(tool)}"
-    return tools or None
+    # A bare function definition (LLaMA-Factory's), in the OpenAI shape a server takes.
+    wrapped = [
+        {"type": "function", "function": t} if "function" not in t and "name" in t else t
+        for t in tools
+    ]
+    return wrapped or None
 
 
 def _not_a_list(items: Any, field: str) -> str | None:
@@ -140,7 +145,9 @@ def _check_tool_calls(calls: Any, where: str) -> list[dict[str, Any]] | str:
         name = function.get("name")
         if not isinstance(name, str) or not name:
             return f"{where}[{j}].function.name must be a non-empty string"
-        arguments = function.get("arguments", {})
+        arguments = function.get("arguments")
+        if arguments is None:  # absent or null: a call without arguments
+            arguments = {}
         if isinstance(arguments, str):  # OpenAI's JSON text; templates want the object
             try:
                 arguments = json.loads(arguments)

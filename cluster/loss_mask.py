@@ -7,11 +7,11 @@
 A turn's span is every character the template writes for it past its header, up to and
 including its turn end's last special token (ChatML's `<|im_end|>`, not the `\n` after it):
 its content, and its reasoning and tool-call markup where it has them. A template's header and
-turn end are learned once from probe conversations. A turn that holds only its content is
-found as written (header + content + turn end) in the row's one rendering; any other from where
-the rendering of the conversation before it (with the generation prompt) ends. A turn found
-neither way is rejected (`NOT_FOUND`), as is one whose slow tokenizer merges tokens across a
-span's edge (`BOUNDARY_MERGED`): never a guessed mask.
+turn end are learned once from probe conversations. In the row's one rendering a turn starts
+past its header, where every assistant turn has exactly one (after the messages before it);
+else past the rendering of the conversation before it with the generation prompt; it ends at
+its first turn end. A turn found neither way is rejected (`NOT_FOUND`), as is one whose slow
+tokenizer merges tokens across a span's edge (`BOUNDARY_MERGED`): never a guessed mask.
 
 Design: docs/design/planning.md.
 """
@@ -81,13 +81,17 @@ class TurnShape:
         if at_last < 0 or at_more < 0:
             raise TemplateShapeError("an assistant turn does not render its content")
         # The header starts where the conversation before it would have ended (past any text
-        # that only closes a conversation, e.g. an eos token). It is the generation prompt
-        # where the turn starts with it: what the template writes after it (Kimi's
-        # "<think></think>", Qwen3's empty think block) is the model's to write, so the turn's.
+        # that only closes a conversation, e.g. an eos token). With a generation prompt it is
+        # what that prompt and a turn inside a conversation both open with: what a template
+        # writes after it (Kimi's "<think></think>", Qwen3's empty think block) is the model's
+        # to write, so the turn's; a prompt that opens the reasoning too (Qwen3-Thinking's
+        # "<think>\n") has only its common part as the header of earlier turns.
         opened = last[:at_last]
-        if prompted != asked and last.startswith(prompted):
-            opened = prompted
-        header = opened[len(os.path.commonprefix([asked, opened])) :]  # noqa: RUF071
+        base = len(os.path.commonprefix([asked, opened]))  # noqa: RUF071
+        header = opened[base:]
+        prompt, inside = prompted[base:], more[base:at_more]
+        if prompted != asked and (inside.startswith(prompt) or prompt.startswith(inside)):
+            header = os.path.commonprefix([prompt, inside, header])  # noqa: RUF071
         after = [last[at_last + len(_PROBE_A) :], more[at_more + len(_PROBE_A) :]]
         common = os.path.commonprefix(after)  # noqa: RUF071
         return cls(header, common[: _after_last_special(common, special_tokens)], prompted != asked)
@@ -105,6 +109,10 @@ class TurnShape:
         one_header_each = bool(self.header) and text.count(self.header) == assistants
         for k, message in enumerate(messages):
             if message["role"] != "assistant":
+                # Past its content: a header written inside it (quoted markup) is not a turn's.
+                content = message["content"]
+                at = text.find(content, cursor) if isinstance(content, str) and content else -1
+                cursor = at + len(content) if at >= 0 else cursor
                 continue
             start = self._turn_start(text, messages[:k], render, cursor, one_header_each)
             span = self._turn_span(text, start, message) if start >= 0 else None

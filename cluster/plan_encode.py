@@ -78,55 +78,61 @@ def parse_row(value: Any, reason: str | None, data: DataConfig) -> Row:
 
 
 def _parse_content(own_id: str | None, row: dict[str, Any], data: DataConfig) -> Row:
-    schema = data.row_schema
-    if schema == "auto":
-        schema = _detect_schema(row, data)
-        if schema not in ("text", "openai", "sharegpt"):
-            return Row(own_id, schema)
-    if schema == "text":
-        return _parse_text(own_id, row.get(data.text_field), data.text_field)
-    if schema == "openai":
-        field = data.messages_field
-        conv = parse_openai(
-            row.get(field), row.get(data.tools_field), field, data.tools_field, data.roles
-        )
+    if data.row_schema == "auto":
+        detected = _detect_schema(row, data)
+        if isinstance(detected, str):
+            return Row(own_id, detected)
+        schema, field = detected
     else:
-        field = data.conversations_field
-        if data.row_schema == "auto" and row.get(field) is None:  # {from, value} in messages
-            field = data.messages_field
-        conv = parse_sharegpt(
-            row.get(field),
-            row.get(data.tools_field),
-            row.get(SHAREGPT_SYSTEM_FIELD),
-            field,
-            data.tools_field,
-            data.roles,
-        )
+        schema = data.row_schema
+        field = {
+            "text": data.text_field,
+            "openai": data.messages_field,
+            "sharegpt": data.conversations_field,
+        }[schema]
+    if schema == "text":
+        return _parse_text(own_id, row.get(field), field)
+    tools = row.get(data.tools_field)
+    if schema == "openai":
+        conv = parse_openai(row.get(field), tools, field, data.tools_field, data.roles)
+    else:
+        system = row.get(SHAREGPT_SYSTEM_FIELD)
+        conv = parse_sharegpt(row.get(field), tools, system, field, data.tools_field, data.roles)
     if isinstance(conv, str):
         return Row(own_id, conv)
     return Row(own_id, messages=conv.messages, tools=conv.tools)
 
 
-def _detect_schema(row: dict[str, Any], data: DataConfig) -> str:
-    """The row's shape from the one field it holds (a null field counts as absent: columnar
-    formats have every column in every row), or a reject reason."""
+def _detect_schema(row: dict[str, Any], data: DataConfig) -> tuple[str, str] | str:
+    """The row's shape and its field, from the one field it holds (a null field counts as
+    absent: columnar formats have every column in every row), or a reject reason. A chat
+    field's turns tell its shape: `{from, value}` is ShareGPT, `{role, content}` OpenAI."""
     fields = (data.text_field, data.messages_field, data.conversations_field)
     held = [f for f in fields if row.get(f) is not None]
     if len(held) > 1:
         return f"row has both {held[0]} and {held[1]}"
     if not held:
         return f"row has none of {', '.join(fields)}"
-    if held[0] == data.text_field:
-        return "text"
-    if held[0] == data.conversations_field or _looks_sharegpt(row[held[0]]):
+    (field,) = held
+    if field == data.text_field:
+        return "text", field
+    shape = _turn_shape_of(row[field])
+    if shape is None:
+        shape = "sharegpt" if field == data.conversations_field else "openai"
+    return shape, field
+
+
+def _turn_shape_of(turns: Any) -> str | None:
+    """ "sharegpt" or "openai" by the first turn's keys (a key null: a columnar file whose
+    other rows hold the other shape in the same column); None: cannot tell."""
+    first = turns[0] if isinstance(turns, list) and turns else None
+    if not isinstance(first, dict):
+        return None
+    if first.get("from") is not None and first.get("role") is None:
         return "sharegpt"
-    return "openai"
-
-
-def _looks_sharegpt(messages: Any) -> bool:
-    first = messages[0] if isinstance(messages, list) and messages else None
-    # role null: a columnar file whose other rows hold OpenAI messages in the same column
-    return isinstance(first, dict) and "from" in first and first.get("role") is None
+    if first.get("role") is not None and first.get("from") is None:
+        return "openai"
+    return None
 
 
 def _parse_text(own_id: str | None, text: Any, field: str) -> Row:
@@ -226,6 +232,7 @@ class Encoder:
         plain = backend is not None and backend.truncation is None and backend.padding is None
         self._backend = backend if plain else None
         self._shape: TurnShape | str | None = None  # learned on the first chat row that needs it
+        self._renders: dict[str, bool] = {}  # whether the template renders tools, calls
 
     @classmethod
     def load(
@@ -311,7 +318,9 @@ class Encoder:
                 return NOTHING_TO_ANSWER.format(what="no turn before the assistant's")
             if (before := prompt[-2]["role"]) in ("assistant", "system"):
                 return NOTHING_TO_ANSWER.format(what=f"the turn before it is the {before}'s")
-            if reason := self._unrendered(prompt, row.tools):
+            # The turns to write as empty: templates concatenate or search a content.
+            written = [{**m, "content": ""} if m["content"] is None else m for m in prompt]
+            if reason := self._unrendered(written, row.tools):
                 return reason
             try:
                 segments = self._segments(prompt, row.tools)
@@ -398,19 +407,27 @@ class Encoder:
         self, messages: list[dict[str, Any]] | None, tools: list[dict[str, Any]] | None
     ) -> str | None:
         """Why the template cannot render a conversation's tools or tool calls: its rendering
-        is the same without them (a template without tool support)."""
-        calls = [k for k, m in enumerate(messages or []) if "tool_calls" in m]
-        if not (messages and self.template and (tools or calls)):
+        is the same without them (a template without tool support). Learned once per kind,
+        on the first conversation that renders with them; asked again while one raises."""
+        if not (messages and self.template):
             return None
+        calls = next((k for k, m in enumerate(messages) if "tool_calls" in m), None)
+        kinds = {"tools": bool(tools), "calls": calls is not None}
+        todo = [kind for kind, held in kinds.items() if held and kind not in self._renders]
         try:
-            text = self._render(messages, False, tools)
-            if tools and text == self._render(messages, False, None):
-                return UNRENDERED.format(what="the row's tools")
-            without = [{k: v for k, v in m.items() if k != "tool_calls"} for m in messages]
-            if calls and text == self._render(without, False, tools):
-                return UNRENDERED.format(what=f"the tool calls of messages[{calls[0]}]")
+            if todo:
+                text = self._render(messages, False, tools)
+            if "tools" in todo:
+                self._renders["tools"] = text != self._render(messages, False, None)
+            if "calls" in todo:
+                without = [{k: v for k, v in m.items() if k != "tool_calls"} for m in messages]
+                self._renders["calls"] = text != self._render(without, False, tools)
         except Exception as exc:  # a template is user code; its errors are the row's
             return f"chat template error: {exc}"
+        if kinds["tools"] and not self._renders["tools"]:
+            return UNRENDERED.format(what="the row's tools")
+        if kinds["calls"] and not self._renders["calls"]:
+            return UNRENDERED.format(what=f"the tool calls of messages[{calls}]")
         return None
 
     def _render(

@@ -24,7 +24,7 @@ import pytest
 
 from cluster.config import DataConfig
 from cluster.content_format import content_format
-from cluster.plan import Plan, build_plan
+from cluster.plan import Plan, Reject, build_plan
 from cluster.plan_encode import UNRENDERED
 from tests.helpers.prompts import write_jsonl
 from tools.tiny_models import CHAT_TEMPLATE as TINY_TEMPLATE
@@ -991,3 +991,94 @@ def test_a_template_without_tool_support_refuses_tools_and_calls(
             "reason": UNRENDERED.format(what="the tool calls of messages[1]"),
         },
     ]
+
+
+# -- a review's cases ---------------------------------------------------------------------------
+
+
+def test_generating_with_tools_on_templates_that_concatenate_a_content(
+    tmp_path: Path, llama_path: Path, tok: Any
+) -> None:
+    """Qwen3 and Qwen2.5 add strings to a message's content: the turn to write is checked
+    as empty, and the prompt ends with the header the model writes after."""
+    from actors.config import GenerateConfig
+    from cluster.plan import PlanStream, Sample
+
+    path = write_jsonl(tmp_path / "g.jsonl", [TEXT_AND_CALL])
+    for name in ("qwen3", "qwen2_5"):
+        for turns in ("last", "all"):
+            data = DataConfig(paths=[str(path)], chat_template=template_path(name))
+            generate = GenerateConfig(turns=turns, max_new_tokens=8)
+            (got,) = [x for x in PlanStream(data, llama_path, generate=generate) if
+                      isinstance(x, Sample | Reject)]  # fmt: skip
+            assert isinstance(got, Sample), (name, turns, got)
+            ends = np.cumsum(got.prompt["segments"])
+            for end in ends:
+                assert tok.decode(got.input_ids[:end]).endswith("<|im_start|>assistant\n")
+            # all: the two text turns anew; the call its result answers stays
+            assert len(ends) == (1 if turns == "last" else 2), (name, turns)
+
+
+def test_a_header_quoted_in_a_user_turn_is_never_an_assistant_turns(
+    tmp_path: Path, models: dict[str, tuple[Path, Any]]
+) -> None:
+    """The header count matches (one quoted, the named assistant's own is another): the
+    quoted one lies inside the user's content, so the row is rejected, never mis-masked."""
+    model, _ = models["kimi_k2_thinking"]
+    quoted = {"role": "user", "content": "say <|im_assistant|>assistant<|im_middle|>"}
+    rows = [
+        {
+            "id": "named",
+            "messages": [quoted, {"role": "assistant", "name": "kimi", "content": "a"}],
+        },
+        {"id": "plain", "messages": [quoted, {"role": "assistant", "content": "a"}]},
+    ]
+    plan = plan_rows(tmp_path, rows, model, chat_template=template_path("kimi_k2_thinking"))
+    assert [r["sample_id"] for r in plan.rejected] == ["named"]
+    assert "cannot find where assistant turn 0 starts" in plan.rejected[0]["reason"]
+    _, tokenizer = models["kimi_k2_thinking"]
+    ids, mask = by_id(plan)["plain"]
+    assert mask_runs(ids, mask, tokenizer) == ["<think></think>a<|im_end|>"]
+
+
+def test_a_generation_prompt_that_opens_the_reasoning_marks_earlier_turns_too(
+    tmp_path: Path, llama_path: Path, tok: Any
+) -> None:
+    """Qwen3-Thinking's prompt ends with "<think>\\n", which earlier turns never render: their
+    header is the part both share, and each turn is found."""
+    thinking = (
+        (TEMPLATES / "qwen3.jinja")
+        .read_text()
+        .replace(
+            "{{- '<|im_start|>assistant\\n' }}\n    {%- if enable_thinking",
+            "{{- '<|im_start|>assistant\\n<think>\\n' }}\n    {%- if enable_thinking",
+        )
+    )
+    assert thinking != (TEMPLATES / "qwen3.jinja").read_text()
+    path = tmp_path / "thinking.jinja"
+    path.write_text(thinking)
+    rows = [{"id": "two", "messages": [HI, {"role": "assistant", "content": "a"}, HI,
+             {"role": "assistant", "content": "b", "reasoning_content": "r"}]}]  # fmt: skip
+    ids, mask = by_id(plan_rows(tmp_path, rows, llama_path, chat_template=str(path)))["two"]
+    assert mask_runs(ids, mask, tok) == ["a<|im_end|>", "<think>\nr\n</think>\n\nb<|im_end|>"]
+
+
+def test_tools_and_turns_as_other_converters_write_them(tmp_path: Path, llama_path: Path) -> None:
+    """LLaMA-Factory's "" for no tools and bare function definitions, a `conversations` list
+    of OpenAI messages, and a call whose arguments are null: each as its usual twin."""
+    template = template_path("qwen3")
+    bare = [tool["function"] for tool in TOOLS]
+    no_args = assistant(content=None, tool_calls=[call("c0", "get_time", {})])
+    null_args = copy.deepcopy(no_args)
+    null_args[1]["tool_calls"][0]["function"]["arguments"] = None
+    rows = [
+        {"id": "plain", "messages": [HI, {"role": "assistant", "content": "x"}]},
+        {"id": "empty-tools", "tools": "", "messages": [HI, {"role": "assistant", "content": "x"}]},
+        {"id": "in-conversations", "conversations": [HI, {"role": "assistant", "content": "x"}]},
+        {"id": "wrapped", "tools": TOOLS, "messages": no_args},
+        {"id": "bare", "tools": bare, "messages": no_args},
+        {"id": "null-arguments", "tools": TOOLS, "messages": null_args},
+    ]  # fmt: skip
+    samples = by_id(plan_rows(tmp_path, rows, llama_path, chat_template=template))
+    assert samples["empty-tools"] == samples["plain"] == samples["in-conversations"]
+    assert samples["bare"] == samples["wrapped"] == samples["null-arguments"]
