@@ -46,7 +46,7 @@ def test_ray_job_submit_runs_the_demo_job_end_to_end_on_s3_through_the_environme
     assert store.committed().all()
     assert (np.asarray(store.group["sample_status"][:]) == 1).all()
     report = store.group.attrs["report"]
-    assert report["ok"] and report["samples"]["written"] == store.num_samples == 23
+    assert report["ok"] and report["samples"]["written"] == store.num_samples == 25
     assert store.rejected == [{"sample_id": "bad-empty", "reason": "empty text"}]
     # The job's own log came back through `ray job submit`: plan, progress, report.
     for line in ("storage estimate", "ETA", "hidden-state extraction report", "succeeded"):
