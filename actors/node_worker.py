@@ -682,11 +682,12 @@ def reclaim_node(config: WorkerConfig) -> list[Path]:
 
 @ray.remote(num_cpus=0)
 def reclaim_after(config: WorkerConfig, worker_ids: list[str], timeout_s: float = 60.0) -> int:
-    """The node-level sweep the driver runs at a job's end on each node it had workers on.
-    Where `worker_ids` ended without their cleanup (stopped with ray.kill, killed, failed):
-    once they are gone (ray.kill returns before the process dies), what they left goes, a
-    server segment made just before its server was killed too (once old enough to judge).
-    Elsewhere one pass: what an earlier submission's workers left. The folders removed."""
+    """The node-level sweep the driver runs at a job's end (cluster/driver.py
+    `_reclaim_nodes`). Where `worker_ids` ended without their cleanup (stopped with ray.kill,
+    killed, failed): once they are gone (ray.kill returns before the process dies), what they
+    left goes, a server segment made just before its server was killed too (once old enough
+    to judge). With none (a resumed job's other nodes) one pass: what an earlier
+    submission's workers left. The folders removed."""
     if not worker_ids:  # every worker here cleaned up after itself: one pass, for the others
         return len(reclaim_node(config))
     deadline, removed = time.monotonic() + timeout_s, 0

@@ -64,8 +64,9 @@ class Driver:
     node_plans: dict[str, NodePlan | PlacementError] = field(default_factory=dict)  # by node
     workers_lost: list[dict[str, str]] = field(default_factory=list)
     # by node: the workers that ended without their own cleanup (killed, failed, stopped);
-    # every node that hosted one of this job's workers is a key
+    # resuming, every node that hosted one of this job's workers is a key
     uncleaned: dict[str, list[str]] = field(default_factory=dict)
+    resumed: bool = False  # the store was there: an earlier submission may have left things
     incarnation: int = 0
     gen_queue: Any = None  # a `generate:` job's parts of prompts, while it is planned
     # a terminal: every progress line (the stdout of the moment, not the one at import)
@@ -75,6 +76,7 @@ class Driver:
         started = time.monotonic()
         # The store first: a bad location or config fails in seconds, before Ray is touched.
         store, resumed, builder = open_or_create(self.config, self.say)
+        self.resumed = resumed
         if not ray.is_initialized():
             ray.init()
         committed = store.committed()
@@ -239,10 +241,11 @@ class Driver:
         self.uncleaned.setdefault(running.node_id, []).append(running.worker_id)
 
     def _reclaim_nodes(self) -> None:
-        """On each node this job had workers on, remove what workers that ended without their
-        cleanup left, once they are gone (actors/node_worker.py `reclaim_after`): this job's,
-        and those of an earlier submission of it killed with its driver, whose deaths may
-        come after every worker here last looked. A node lost meanwhile is skipped."""
+        """On each node where this job's workers ended without their cleanup, remove what they
+        left once they are gone (actors/node_worker.py `reclaim_after`); resuming, on every
+        node it had workers on, what an earlier submission's workers left: killed with their
+        driver, they can die after every worker here last looked. A node lost meanwhile is
+        skipped."""
         sweeps = [
             reclaim_after.options(
                 scheduling_strategy=NodeAffinitySchedulingStrategy(node_id, soft=False)
@@ -348,7 +351,8 @@ class Driver:
             max_restarts=0,
         ).remote(self.config, queue, worker_id, self.gen_queue, plan=plan, slot=slot)
         self.workers[handle.run.remote()] = _Running(node_id, worker_id, handle, slot)
-        self.uncleaned.setdefault(node_id, [])
+        if self.resumed:
+            self.uncleaned.setdefault(node_id, [])
         self.say(f"started {worker_id}")
 
     def _progress(self, meter: ProgressMeter, queue: Any) -> tuple[str, Hashable, int, bool]:

@@ -133,9 +133,9 @@ class TurnShape:
         """Where an assistant turn's own tokens start: past its header, where every assistant
         turn has exactly one; else past the rendering of the conversation before it with the
         generation prompt, where that is how `text` begins. -1: neither."""
-        if one_header_each:
-            at = text.find(self.header, cursor)
-            return at + len(self.header) if at >= 0 else -1
+        at = text.find(self.header, cursor) if one_header_each else -1
+        if at >= 0:
+            return at + len(self.header)
         if before:
             with contextlib.suppress(Exception):  # a template is user code
                 prompt = render(before, True) + ("" if self.generation_prompt else self.header)
