@@ -1,5 +1,6 @@
 # Everything a user or CI runs goes through here; each target sets up the venv first.
 #   make demo                 set up, then run the demo on a tiny DeepseekV3 (CPU)
+#   make demo-images          the same with images: a tiny Qwen2.5-VL through SGLang's multimodal path
 #   make test                 set up, then run every test (real SGLang servers on CPU, Ray, S3)
 #   make test-fast            set up, then run tests/unit: no server, no Ray, no S3 (< 3 min)
 #   make bench [BENCH=name]   set up, then run every benchmark, or one
@@ -22,7 +23,7 @@ BENCH ?=
 SEED ?= 0
 CAMPAIGN ?=
 
-.PHONY: setup demo test test-fast bench campaign docs lint clean
+.PHONY: setup demo demo-images test test-fast bench campaign docs lint clean
 
 setup: $(STAMP) $(TRAINERS_STAMP)
 
@@ -56,6 +57,9 @@ $(TRAINERS_STAMP): $(STAMP) requirements/trainers.txt
 
 demo: setup
 	$(PY) -m tools.demo
+
+demo-images: setup
+	$(PY) -m tools.demo --images
 
 test: setup
 	$(PY) -m pytest

@@ -59,6 +59,11 @@ def calibrate(
                 f"dtype: server {meta.get('dtype')!r} != manifest's served dtype "
                 f"{manifest.served_dtype!r} (store dtype {manifest.dtype!r})"
             )
+        if bool(meta.get("mrope")) != (manifest.position_ids == "mrope"):
+            problems.append(
+                f"positions: the store keeps {manifest.position_ids or '1-D'} positions, the "
+                f"server's model uses {'M-RoPE' if meta.get('mrope') else '1-D'} ones"
+            )
         if meta.get("rid") != rid:
             problems.append(f"rid: the dump is {meta.get('rid')!r}'s, not the probe's {rid!r}")
         server_ids = tensors["input_ids"].tolist()

@@ -37,17 +37,20 @@ def generate_and_capture(
     *,
     input_ids: list[int] | None = None,
     text: str | None = None,
+    image_data: list[str] | None = None,
     timeout: float = 600.0,
 ) -> CaptureResponse:
-    """Prefill one prompt (token ids or text) on `server` (with its key), generating a single
-    token, and return where its dump is. Raises CaptureError when the server reports no dump
-    or a capture error."""
+    """Prefill one prompt (token ids or text, with one image token per image of
+    `image_data`) on `server` (with its key), generating a single token, and return where its
+    dump is. Raises CaptureError when the server reports no dump or a capture error."""
     if (input_ids is None) == (text is None):
         raise ValueError("give exactly one of input_ids and text")
     payload: dict[str, Any] = {"rid": rid, "sampling_params": {"max_new_tokens": 1}}
     payload["input_ids" if input_ids is not None else "text"] = (
         input_ids if input_ids is not None else text
     )
+    if image_data:
+        payload["image_data"] = image_data
     response = server.session.post(server.url + "/generate", json=payload, timeout=timeout)
     if response.status_code != 200:
         raise CaptureError(f"rid {rid}: HTTP {response.status_code}: {response.text[:500]}")

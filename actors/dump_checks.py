@@ -12,6 +12,7 @@ import numpy as np
 import torch
 
 from actors.calibration_result import Calibration
+from actors.planned_sample import PlannedSample
 from hsx_store.format import Manifest
 from hsx_store.fp8 import invalid_rows, scale_name
 
@@ -25,7 +26,7 @@ def check_dump(
     meta: dict[str, Any],
     *,
     rid: str,
-    input_ids: np.ndarray,
+    sample: PlannedSample,
     cached_tokens: int,
     manifest: Manifest,
     calibration: Calibration,
@@ -39,16 +40,53 @@ def check_dump(
         )
     if cached_tokens != 0:
         raise DumpMismatch(f"{cached_tokens} prompt tokens came from the prefix cache")
-    p = len(input_ids)
+    check_tokens(tensors, sample)
+    if meta.get("layer_ids") != manifest.layer_ids:
+        raise DumpMismatch(f"layers {meta.get('layer_ids')} != manifest {manifest.layer_ids}")
+    check_states(tensors, meta, manifest, len(sample.input_ids))
+
+
+def check_tokens(tensors: dict[str, torch.Tensor], sample: PlannedSample) -> None:
+    """The dump's rows are the planned sample's: its token ids (SGLang's pad values in image
+    spans) and, for an M-RoPE store, the positions the model used."""
+    p = len(sample.input_ids)
     if "input_ids" not in tensors or tuple(tensors["input_ids"].shape) != (p,):
         got = tuple(tensors["input_ids"].shape) if "input_ids" in tensors else "no input_ids"
         raise DumpMismatch(f"input_ids: {got}, expected shape {(p,)}")
-    if not np.array_equal(tensors["input_ids"].numpy(), input_ids):
-        first = int(np.flatnonzero(tensors["input_ids"].numpy() != input_ids)[0])
-        raise DumpMismatch(f"token ids differ from the plan from position {first}")
-    if meta.get("layer_ids") != manifest.layer_ids:
-        raise DumpMismatch(f"layers {meta.get('layer_ids')} != manifest {manifest.layer_ids}")
-    check_states(tensors, meta, manifest, p)
+    _check_ids(tensors["input_ids"].numpy(), sample)
+    if sample.position_ids is not None:
+        _check_positions(tensors, sample.position_ids)
+
+
+def _check_ids(dumped: np.ndarray, sample: PlannedSample) -> None:
+    """The planned ids outside image spans; inside one, SGLang's pad values (derived from the
+    image's content, never the image token): the image's embeddings sat exactly there."""
+    planned = sample.input_ids
+    in_image = np.zeros(len(planned), bool)
+    for image in sample.images:
+        span = slice(image.start, image.start + image.length)
+        in_image[span] = True
+        if (dumped[span] == planned[span]).any():
+            row = image.start + int(np.flatnonzero(dumped[span] == planned[span])[0])
+            raise DumpMismatch(
+                f"row {row} holds the image token itself, not an image's embedding (image "
+                f"{image.digest[:12]} planned at rows {span.start}..{span.stop - 1})"
+            )
+    differ = (dumped != planned) & ~in_image
+    if differ.any():
+        raise DumpMismatch(f"token ids differ from the plan from position {np.argmax(differ)}")
+
+
+def _check_positions(tensors: dict[str, torch.Tensor], planned: np.ndarray) -> None:
+    """The M-RoPE positions the model used are the planned ones."""
+    got = tensors.get("mrope_positions")
+    if got is None:
+        raise DumpMismatch("the dump has no mrope_positions (the store keeps M-RoPE positions)")
+    if tuple(got.shape) != planned.shape:
+        raise DumpMismatch(f"mrope_positions: shape {tuple(got.shape)}, expected {planned.shape}")
+    differ = (got.numpy() != planned).any(axis=1)
+    if differ.any():
+        raise DumpMismatch(f"M-RoPE positions differ from the plan from row {np.argmax(differ)}")
 
 
 def check_states(

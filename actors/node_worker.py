@@ -34,7 +34,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import ray
 import requests
 import torch
@@ -53,6 +52,7 @@ from actors.dump_checks import DumpMismatch, check_dump
 from actors.generator import PartGeneration
 from actors.lease_keeper import Lease, LeaseKeeper, LeaseLost, ray_caller
 from actors.node_plan import NodePlan
+from actors.planned_sample import PlannedSample, image_urls, planned_samples
 from actors.private_folders import HeldFolder, reclaim_abandoned
 from actors.process_group import reclaim_orphan_segments, young_orphan_segments
 from actors.sglang_server import ServerError, ServerSpec, SGLangServer
@@ -474,11 +474,7 @@ class NodeWorker:
             "failed": 0,
             "deferred": lease.deferred,
         }
-        ids = np.asarray(self.store.group["input_ids"][shard.token_begin : shard.token_end])
-        planned = {}
-        for i in range(shard.sample_begin, shard.sample_end):
-            rows = self.store.sample_rows(i)
-            planned[i] = ids[rows.start - shard.token_begin : rows.stop - shard.token_begin]
+        planned = planned_samples(self.store, shard, image_urls(self.store))
         attempts: Counter[int] = Counter()
         call = ray_caller(self.queue)
         with LeaseKeeper(call, lease, self.config.heartbeat_s) as keeper:
@@ -521,7 +517,7 @@ class NodeWorker:
     def _capture_samples(
         self,
         todo: list[int],
-        planned: dict[int, np.ndarray],
+        planned: dict[int, PlannedSample],
         attempts: Counter[int],
         writer: ShardWriter,
     ) -> list[int]:
@@ -579,21 +575,18 @@ class NodeWorker:
     def _server_ok(self) -> bool:
         return self.server is not None and self.server.alive() and self.server.healthy()
 
-    def _request(self, i: int, input_ids: np.ndarray, attempt: int) -> CaptureResponse:
+    def _request(self, i: int, sample: PlannedSample, attempt: int) -> CaptureResponse:
         """Prefill sample i (a request thread); its dump is published meanwhile."""
         assert self.server is not None
         rid = f"{RID_PREFIX}s{i}-a{attempt}-{uuid.uuid4().hex[:8]}"
         t0 = time.perf_counter()
         response = generate_and_capture(
-            self.server,
-            rid,
-            input_ids=input_ids.tolist(),
-            timeout=self.job.server.request_timeout_s,
+            self.server, rid, **sample.request(), timeout=self.job.server.request_timeout_s
         )
-        self.metrics.record_request(len(input_ids), time.perf_counter() - t0)
+        self.metrics.record_request(len(sample.input_ids), time.perf_counter() - t0)
         return response
 
-    def _read_verified(self, response: CaptureResponse, input_ids: np.ndarray) -> Captured:
+    def _read_verified(self, response: CaptureResponse, sample: PlannedSample) -> Captured:
         """Read a dump and check it against its planned sample (a reader thread)."""
         assert self.calibration is not None
         t0 = time.perf_counter()
@@ -603,7 +596,7 @@ class NodeWorker:
                 tensors,
                 meta,
                 rid=response.rid,
-                input_ids=input_ids,
+                sample=sample,
                 cached_tokens=int(response.meta_info.get("cached_tokens", 0)),
                 manifest=self.store.manifest,
                 calibration=self.calibration,

@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import Field, ValidationError, model_validator
+from pydantic import Field, ValidationError, field_validator, model_validator
 
 from actors.config import Section, WorkerJobConfig
 from cluster.model_limits import longest_input
@@ -42,8 +42,8 @@ class DataConfig(Section):
     conversations_field."""
     messages_field: str = "messages"
     """The field holding a chat row's OpenAI messages (`[{"role": ..., "content": ...}, ...]`,
-    with tool calls, tool results, content parts, reasoning: docs/input-formats.md), rendered
-    with the chat template."""
+    with tool calls, tool results, content parts (text, images), reasoning:
+    docs/input-formats.md), rendered with the chat template."""
     conversations_field: str = "conversations"
     """The field holding a ShareGPT row's turns, `[{"from": ..., "value": ...}, ...]`."""
     tools_field: str = "tools"
@@ -65,9 +65,23 @@ class DataConfig(Section):
     """assistant: loss on the assistant turns of chat rows (text rows: every token); all:
     every token."""
     max_length: int = Field(4096, ge=1)
-    """Longer prompts are rejected, never truncated. At most what one request to the model's
-    server takes (its context length less 7: see Rules); left unset, 4096 or that, whichever is
-    less."""
+    """Longer prompts are rejected, never truncated (a row with images: counted with each
+    image's tokens, as the model's processor expands it). At most what one request to the
+    model's server takes (its context length less 7: see Rules); left unset, 4096 or that,
+    whichever is less."""
+    image_storage_options: dict[str, Any] | None = None
+    """obstore settings for image parts held in object storage (`s3://bucket/key`, ...), as
+    store.storage_options takes them; null: the planning nodes' environment (`AWS_*`)."""
+    image_fetch_timeout_s: float = Field(30.0, gt=0)
+    """An image part's fetch (http(s), object storage) that stalls this long fails, and its
+    row is rejected."""
+
+    @field_validator("image_storage_options")
+    @classmethod
+    def _image_obstore_options(cls, options: dict[str, Any] | None) -> dict[str, Any] | None:
+        if options is not None:
+            obstore_options(options)  # what obstore would refuse later, named now
+        return options
 
 
 def store_write_bound_s(storage_options: dict[str, Any]) -> float:

@@ -8,7 +8,10 @@ for templates that print a string.
 vLLM's `--chat-template-content-format auto`), so the captured prompt is the one SGLang serves:
 a template that names images, audio, video or vision, or that loops over a message's content,
 takes parts; any other takes a string, the text parts joined by a space. A tool turn's text
-parts are always joined (SGLang's normalize_tool_content).
+parts are always joined (SGLang's normalize_tool_content). An image part reaches a template
+that takes parts as SGLang gives it, `{"type": "image"}` (the template renders its
+placeholder; the image itself goes to the processor); a template that takes a string renders
+no image, so a row with images is rejected there (`unrendered_image`).
 """
 
 from __future__ import annotations
@@ -19,7 +22,7 @@ import jinja2
 import jinja2.nodes
 from transformers.utils.chat_template_utils import _compile_jinja_template
 
-from cluster.conversation import TEXT_PART_TYPES
+from cluster.conversation import IMAGE_PART, TEXT_PART_TYPES
 
 ContentFormat = Literal["openai", "string"]
 _MESSAGE_NAMES = ("message", "msg", "m")  # what templates call the loop's message
@@ -61,6 +64,27 @@ def _reads_content(node: jinja2.nodes.Node, name: str) -> bool:
     return key == "content" and isinstance(base, jinja2.nodes.Name) and base.name == name
 
 
+def unrendered_image(messages: list[dict[str, Any]], field: str, fmt: ContentFormat) -> str | None:
+    """Why an image part of checked messages would not reach the template in format `fmt`:
+    a template taking a string renders none, and a tool turn's content is joined text."""
+    for k, message in enumerate(messages):
+        content = message.get("content")
+        for j, part in enumerate(content if isinstance(content, list) else []):
+            if part["type"] != IMAGE_PART:
+                continue
+            where = f"{field}[{k}].content[{j}]"
+            if fmt == "string":
+                return (
+                    f"{where} is an image, but the chat template takes text content and "
+                    "renders no images (data.content_format)"
+                )
+            if message["role"] == "tool":
+                return (
+                    f"{where} is an image in a tool turn, whose content the template gets as text"
+                )
+    return None
+
+
 def joined_text(parts: list[dict[str, Any]]) -> str:
     return " ".join(p["text"] for p in parts if p.get("type") in TEXT_PART_TYPES)
 
@@ -76,7 +100,12 @@ def for_template(messages: list[dict[str, Any]], fmt: ContentFormat) -> list[dic
             if fmt == "string" or message["role"] == "tool":
                 content = joined_text(content)
             else:
-                content = [{"type": "text", "text": p["text"]} for p in content]
+                content = [
+                    {"type": "image"}
+                    if p["type"] == IMAGE_PART
+                    else {"type": "text", "text": p["text"]}
+                    for p in content
+                ]
             message = {**message, "content": content}
         out.append(message)
     return out

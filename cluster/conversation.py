@@ -10,7 +10,8 @@ one: null members dropped, a null content "", a tool call's JSON `arguments` str
 it holds. Tools reach it as the row holds them, as transformers' `apply_chat_template(tools=)`
 takes them (SGLang 0.5.23 dumps its own Tool model instead, which adds a null `description`
 where a tool has none: a template printing tools as JSON then shows it). Content parts stay
-parts here; cluster/content_format.py shapes them for the template.
+parts here, an image part as {"type": "image", "image": its source} whatever shape it came in;
+cluster/content_format.py shapes them for the template.
 The accepted shapes, with a row of each: docs/input-formats.md.
 """
 
@@ -37,6 +38,8 @@ SHAREGPT_ROLES = {
 SHAREGPT_SYSTEM_FIELD = "system"  # a ShareGPT row's system prompt (LLaMA-Factory's)
 TEXT_PART_TYPES = ("text", "input_text")
 IMAGE_PART_TYPES = ("image_url", "image", "input_image")
+IMAGE_PART = "image"  # an image part as checked: {"type": "image", "image": its source}
+_IMAGE_KEYS = ("image", "url", "path")  # where transformers' image parts hold the source
 
 
 @dataclass(frozen=True)
@@ -127,8 +130,10 @@ def _check_message(message: dict[str, Any], where: str, roles: list[str]) -> dic
             return f"{where}.content is null (allowed only on an assistant turn with tool_calls)"
         return {**message, "content": ""}
     if isinstance(content, list):
-        reason = _check_parts(content, f"{where}.content")
-        return reason or message
+        parts = _check_parts(content, f"{where}.content")
+        if isinstance(parts, str):
+            return parts
+        return message if parts is content else {**message, "content": parts}
     if not isinstance(content, str):
         return f"{where}.content must be a string or a list of parts, got {type_name(content)}"
     return message
@@ -165,21 +170,59 @@ def _check_tool_calls(calls: Any, where: str) -> list[dict[str, Any]] | str:
     return out
 
 
-def _check_parts(parts: list[Any], where: str) -> str | None:
+def _check_parts(parts: list[Any], where: str) -> list[dict[str, Any]] | str:
+    """The parts, image parts in one shape (`parts` itself where there is none), or why not."""
     if not parts:
         return f"{where} is an empty list of parts"
+    out = []
     for j, part in enumerate(parts):
         kind = part.get("type") if isinstance(part, dict) else None
         if kind in TEXT_PART_TYPES:
             if not isinstance(part.get("text"), str):
                 return f"{where}[{j}].text must be a string, got {type_name(part.get('text'))}"
         elif kind in IMAGE_PART_TYPES:
-            return f"{where}[{j}] is an image: this job captures text only"
+            source, reason = _image_source(part, f"{where}[{j}]")
+            if reason:
+                return reason
+            part = {"type": IMAGE_PART, "image": source}
         elif isinstance(part, dict):
             return f"{where}[{j}].type {kind!r} is not a text or image part"
         else:
             return f"{where}[{j}] must be an object, got {type_name(part)}"
-    return None
+        out.append(part)
+    return parts if all(a is b for a, b in zip(out, parts, strict=True)) else out
+
+
+def _image_source(part: dict[str, Any], where: str) -> tuple[str, str | None]:
+    """(an image part's source, a URL or a path; or why it has none) from OpenAI's
+    `image_url` ({"url": U} or U; `input_image` too) or transformers' `image`, `url` or
+    `path`."""
+    if part["type"] == "image":
+        held = [key for key in _IMAGE_KEYS if part.get(key) is not None]
+        if len(held) != 1:
+            return "", f"{where} must hold one of {', '.join(_IMAGE_KEYS)}"
+        key = held[0]
+        value = part[key]
+    else:
+        key, value = "image_url", part.get("image_url")
+        if isinstance(value, dict):
+            key, value = "image_url.url", value.get("url")
+    if not isinstance(value, str):
+        return "", f"{where}.{key} must be a string, got {type_name(value)}"
+    if not value:
+        return "", f"{where}.{key} is an empty string"
+    return value, None
+
+
+def image_sources(messages: list[dict[str, Any]], field: str) -> list[tuple[str, str]]:
+    """(where, source) of each image part of checked messages, in prompt order."""
+    return [
+        (f"{field}[{k}].content[{j}]", part["image"])
+        for k, message in enumerate(messages)
+        if isinstance(message.get("content"), list)
+        for j, part in enumerate(message["content"])
+        if part.get("type") == IMAGE_PART
+    ]
 
 
 def parse_sharegpt(

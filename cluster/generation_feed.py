@@ -32,6 +32,7 @@ import ray
 
 from cluster.config import JobConfig
 from cluster.generation_stats import GenerationStats
+from cluster.images import text_positions
 from cluster.job_store import describe_plan, no_usable_samples
 from cluster.plan import PartEnd, PlanError, PlanStream, Reject, Sample
 from hsx_store.builder import StoreBuilder
@@ -63,9 +64,10 @@ class _Part:
 class ResponsePlanner:
     """Turns one part's responses into samples and rejects (step 3 of the module doc)."""
 
-    def __init__(self, config: JobConfig) -> None:
+    def __init__(self, config: JobConfig, mrope: bool) -> None:
         assert config.generate is not None
         self.generate = config.generate
+        self.mrope = mrope  # the store keeps M-RoPE positions: a text sample's three aranges
 
     def samples(self, record: dict[str, Any]) -> list[Sample | Reject]:
         return [self.sample(s) for s in record["samples"]]
@@ -88,7 +90,9 @@ class ResponsePlanner:
                 )
             ids += [*segment, *written]
             mask += [0] * len(segment) + [1] * len(written)
-        return Sample(sample_id, np.asarray(ids, np.int32), np.asarray(mask, np.uint8))
+        positions = text_positions(len(ids)) if self.mrope else None  # no images: generate
+        ids_, mask_ = np.asarray(ids, np.int32), np.asarray(mask, np.uint8)
+        return Sample(sample_id, ids_, mask_, position_ids=positions)
 
 
 def generate_into(
@@ -112,7 +116,7 @@ def generate_into(
         planners=planners,
         generate=gen,
     )
-    planner = ResponsePlanner(config)
+    planner = ResponsePlanner(config, builder.m.position_ids == "mrope")
     turn_ends = {chat: stream.encoder.turn_end(chat) for chat in (True, False)}
     per_part = max(1, config.store.samples_per_shard // gen.n)
     rejected: list[dict[str, str]] = []
@@ -166,7 +170,9 @@ def generate_into(
                 if isinstance(item, Reject):
                     rejected.append(item.to_json())
                     stats.rejected += 1
-                elif shards := builder.add(item.sample_id, item.input_ids, item.loss_mask):
+                elif shards := builder.add(
+                    item.sample_id, item.input_ids, item.loss_mask, item.position_ids
+                ):
                     on_shards(shards)
                 accepted += isinstance(item, Sample)
             if shards := builder.flush():

@@ -29,6 +29,7 @@ import obstore.exceptions
 import zarr.errors
 
 from cluster.config import ConfigError, DataConfig, JobConfig
+from cluster.images import vision_settings
 from cluster.plan import (
     PartEnd,
     PlanError,
@@ -62,7 +63,10 @@ class ResumeConflict(ValueError):
 
 def job_spec(config: JobConfig, sources_sha256: list[str]) -> dict[str, Any]:
     """What the plan is made from, besides the manifest: stored as the store's `job` attr."""
-    data = config.data.model_dump(exclude={"paths", "max_length"})
+    # Not what the plan is made from: where images are read and how (credentials among them,
+    # which never reach the store).
+    how_read = {"image_storage_options", "image_fetch_timeout_s"}
+    data = config.data.model_dump(exclude={"paths", "max_length", *how_read})
     # What the responses are made with (not how fast: generate.inflight may change).
     generate = config.generate.model_dump(exclude={"inflight"}) if config.generate else None
     return {"sources_sha256": sources_sha256, **data, "generate": generate}
@@ -78,6 +82,7 @@ def manifest_for(config: JobConfig, chat_template: str | None) -> Manifest:
         raise ConfigError(f"invalid job config:\n  model.aux_layer_ids: {exc}") from None
     except ModelConfigError as exc:
         raise ConfigError(f"invalid job config:\n  model.path: {exc}") from None
+    image_token_id, position_ids = vision_settings(Path(config.model.path))
     codec = {"name": "none"}
     if config.store.codec == "zstd":
         codec = {"name": "zstd", "level": config.store.codec_level}
@@ -92,6 +97,8 @@ def manifest_for(config: JobConfig, chat_template: str | None) -> Manifest:
         chunk_tokens=config.store.chunk_tokens,
         prenorm=config.store.prenorm,
         dtype=None if config.store.dtype == "model" else config.store.dtype,
+        image_token_id=image_token_id,
+        position_ids=position_ids,
     )
 
 
@@ -303,7 +310,14 @@ def plan_into(
                     f"parts: {describe_estimate(builder.m, *projected, config.store.url)}"
                 )
         else:
-            shards = builder.add(item.sample_id, item.input_ids, item.loss_mask)
+            shards = builder.add(
+                item.sample_id,
+                item.input_ids,
+                item.loss_mask,
+                item.position_ids,
+                item.images,
+                item.image_bytes,
+            )
         if shards:
             on_shards(shards)
     if not stream.accepted:

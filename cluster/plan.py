@@ -20,7 +20,7 @@ from __future__ import annotations
 import functools
 import logging
 from collections import deque
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from itertools import islice
 from pathlib import Path
@@ -30,6 +30,7 @@ import numpy as np
 
 from actors.config import GenerateConfig
 from cluster.config import DataConfig
+from cluster.images import MROPE, ExpandedRow, text_positions
 from cluster.plan_encode import Encoder, chat_template_text, parse_row
 from cluster.plan_sources import (
     Part,
@@ -40,6 +41,7 @@ from cluster.plan_sources import (
     source_hashes,
     split_parts,
 )
+from hsx_store.images import SampleImage
 
 __all__ = [
     "PartEnd",
@@ -67,6 +69,10 @@ class Sample:
     # the lengths of the tokens before each turn to write, and "tools" where the row has
     # them} (cluster/plan_encode.py)
     prompt: dict[str, Any] | None = None
+    # An M-RoPE model's (`Encoder.position_ids`): [P, 3] int32, for every sample
+    position_ids: np.ndarray | None = None
+    images: tuple[SampleImage, ...] = ()  # its image spans, in prompt order
+    image_bytes: Mapping[str, bytes] = field(default_factory=dict)  # digest -> encoded image
 
 
 @dataclass(frozen=True)
@@ -91,6 +97,10 @@ class Plan:
     rejected: list[dict[str, str]]  # {"sample_id", "reason"} per rejected row, in input order
     sources: list[dict[str, Any]]  # per input path: path, format, sha256, rows
     chat_template: str | None  # the template text used for chat rows; None: none available
+    # per accepted sample, as its Sample holds them
+    position_ids: list[np.ndarray | None] = field(default_factory=list)
+    images: list[tuple[SampleImage, ...]] = field(default_factory=list)
+    image_bytes: dict[str, bytes] = field(default_factory=dict)  # every image, once
 
     @property
     def total_tokens(self) -> int:
@@ -109,6 +119,12 @@ class PartResult:
     loss_mask: np.ndarray = field(default_factory=lambda: np.zeros(0, np.uint8))
     # generating: each accepted row's {"prompt": messages or text, "segments": lengths}
     prompts: list[dict[str, Any]] = field(default_factory=list)
+    # Rows with images, by their index among the accepted: M-RoPE positions [P, 3] (an M-RoPE
+    # model's other rows get three aranges on arrival), image spans; and each distinct image
+    # of the part once (digest -> encoded bytes).
+    positions: dict[int, np.ndarray] = field(default_factory=dict)
+    images: dict[int, tuple[SampleImage, ...]] = field(default_factory=dict)
+    image_bytes: dict[str, bytes] = field(default_factory=dict)
 
 
 @functools.lru_cache(maxsize=4)
@@ -135,11 +151,16 @@ def plan_part(
     result = PartResult(numbers)
     ids: list[np.ndarray] = []
     masks: list[np.ndarray] = []
+    images = encoder.image_sources(part.path.parent)  # image paths: the input's folder's
     while chunk := list(islice(raw, BATCH_ROWS)):
         rows = [parse_row(value, reason, data) for _, value, reason in chunk]
-        for (number, _, _), row, encoded in zip(chunk, rows, encoder.encode(rows), strict=True):
+        encoded_rows = encoder.encode(rows, images)
+        for (number, _, _), row, encoded in zip(chunk, rows, encoded_rows, strict=True):
             reason = encoded if isinstance(encoded, str) else None
             result.rows.append((number, row.own_id, reason))
+            if isinstance(encoded, ExpandedRow):
+                _add_images(result, encoded)
+                encoded = (encoded.input_ids, encoded.loss_mask)
             if reason is None:
                 ids.append(encoded[0])
                 masks.append(encoded[1])
@@ -150,6 +171,16 @@ def plan_part(
     if ids:
         result.input_ids, result.loss_mask = np.concatenate(ids), np.concatenate(masks)
     return result
+
+
+def _add_images(result: PartResult, row: ExpandedRow) -> None:
+    """A row with images, the next accepted one of `result`: its positions, spans, bytes."""
+    k = len(result.lengths)
+    result.images[k] = row.images
+    if row.position_ids is not None:
+        result.positions[k] = row.position_ids
+    for digest, data in row.image_bytes.items():
+        result.image_bytes.setdefault(digest, data)
 
 
 class PlanStream:
@@ -217,12 +248,7 @@ class PlanStream:
                     continue
                 self.accepted += 1
                 self.tokens += tokens.stop - tokens.start
-                yield Sample(
-                    sample_id,
-                    result.input_ids[tokens],
-                    result.loss_mask[tokens],
-                    prompt,
-                )
+                yield self._sample(sample_id, result, tokens, prompt, encoded - 1)
             numbers[part.source] += result.numbers
             counts[part.source] += len(result.rows)
             self.parts_done += 1
@@ -236,6 +262,31 @@ class PlanStream:
             self.accepted,
             self.rejected,
             self.tokens,
+        )
+
+    def _sample(
+        self,
+        sample_id: str,
+        result: PartResult,
+        tokens: slice,
+        prompt: dict[str, Any] | None,
+        k: int,
+    ) -> Sample:
+        """The accepted row `k` of a part's result, its tokens at `tokens`."""
+        if not result.images and self.encoder.position_ids is None:  # a text job's
+            return Sample(sample_id, result.input_ids[tokens], result.loss_mask[tokens], prompt)
+        images = result.images.get(k, ())
+        positions = result.positions.get(k)
+        if positions is None and self.encoder.position_ids == MROPE:
+            positions = text_positions(tokens.stop - tokens.start)
+        return Sample(
+            sample_id,
+            result.input_ids[tokens],
+            result.loss_mask[tokens],
+            prompt,
+            positions,
+            images,
+            {image.digest: result.image_bytes[image.digest] for image in images},
         )
 
     def _results(self) -> Iterator[tuple[Part, PartResult]]:
@@ -329,7 +380,8 @@ def build_plan(
 ) -> Plan:
     """The whole plan in memory (tests, tools, small jobs; the driver streams instead)."""
     stream = PlanStream(data, model_path, trust_remote_code, planners)
-    ids, input_ids, masks, rejected = [], [], [], []
+    ids, input_ids, masks, rejected, positions, images = [], [], [], [], [], []
+    image_bytes: dict[str, bytes] = {}
     for item in stream:
         if isinstance(item, Reject):
             rejected.append(item.to_json())
@@ -337,5 +389,18 @@ def build_plan(
             ids.append(item.sample_id)
             input_ids.append(item.input_ids)
             masks.append(item.loss_mask)
+            positions.append(item.position_ids)
+            images.append(item.images)
+            image_bytes.update(item.image_bytes)
     sources = [{**src, "sha256": sha256_source(Path(src["path"]))} for src in stream.sources]
-    return Plan(ids, input_ids, masks, rejected, sources, stream.chat_template)
+    return Plan(
+        ids,
+        input_ids,
+        masks,
+        rejected,
+        sources,
+        stream.chat_template,
+        positions,
+        images,
+        image_bytes,
+    )

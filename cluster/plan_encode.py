@@ -1,7 +1,9 @@
 """Rows to samples: field checks, chat template, tokenization, loss mask and limits.
 
     encoder = Encoder.load(data, model_path, trust_remote_code)
-    results = encoder.encode([parse_row(row, data) for row in rows])   # (ids, mask) or a reason
+    rows = [parse_row(row, reason, data) for row, reason in raw]
+    results = encoder.encode(rows, encoder.image_sources(base_dir))  # image paths: base_dir's
+    # each (ids, mask), or an ExpandedRow for a row with images (cluster/images.py), or a reason
 
 The rules and every reject reason: docs/design/planning.md. Nothing here raises for a bad
 row; PlanError is only for the model or the template file as a whole.
@@ -20,8 +22,15 @@ import numpy as np
 
 from actors.config import GenerateConfig
 from cluster.config import DataConfig
-from cluster.content_format import content_format, for_template
-from cluster.conversation import SHAREGPT_SYSTEM_FIELD, parse_openai, parse_sharegpt, type_name
+from cluster.content_format import content_format, for_template, unrendered_image
+from cluster.conversation import (
+    SHAREGPT_SYSTEM_FIELD,
+    image_sources,
+    parse_openai,
+    parse_sharegpt,
+    type_name,
+)
+from cluster.images import NO_IMAGE_TOKEN, ExpandedRow, ImageSources, Vision, vision_settings
 from cluster.loss_mask import (
     Render,
     TemplateShapeError,
@@ -36,6 +45,7 @@ NO_ASSISTANT = "no assistant turn to train on"
 NO_MASKED_TOKENS = "the chat template marks no assistant tokens"
 NOTHING_TO_ANSWER = "nothing for the model to answer: {what}"
 UNRENDERED = "the chat template does not render {what} (it has no tool support)"
+GENERATE_IMAGES = "generate: rows with images are not supported yet"
 _TO_WRITE = {"role": "assistant", "content": None}  # a turn the model writes, all of it anew
 # The same test transformers uses to decide whether a template can return an assistant mask.
 _GENERATION_TAG = re.compile(r"\{%-?\s*generation\s*-?%\}")
@@ -50,6 +60,8 @@ class Row:
     text: str | None = None
     messages: list[dict[str, Any]] | None = None
     tools: list[dict[str, Any]] | None = None  # the row's tool definitions, for the template
+    messages_field: str | None = None  # as reasons name it
+    images: tuple[tuple[str, str], ...] = ()  # each image part's (where, source), in order
 
 
 Encoded = tuple[np.ndarray, np.ndarray]  # int32 token ids, uint8 loss mask
@@ -100,7 +112,8 @@ def _parse_content(own_id: str | None, row: dict[str, Any], data: DataConfig) ->
         conv = parse_sharegpt(row.get(field), tools, system, field, data.tools_field, data.roles)
     if isinstance(conv, str):
         return Row(own_id, conv)
-    return Row(own_id, messages=conv.messages, tools=conv.tools)
+    images = tuple(image_sources(conv.messages, field)) if schema == "openai" else ()
+    return Row(own_id, None, None, conv.messages, conv.tools, field, images)
 
 
 def _detect_schema(row: dict[str, Any], data: DataConfig) -> tuple[str, str] | str:
@@ -216,6 +229,8 @@ class Encoder:
         data: DataConfig,
         vocab: int,
         generate: GenerateConfig | None = None,
+        vision: Vision | None = None,
+        position_ids: str | None = None,
     ):
         self.tok = tokenizer
         self.generate = generate
@@ -233,6 +248,10 @@ class Encoder:
         self._backend = backend if plain else None
         self._shape: TurnShape | str | None = None  # learned on the first chat row that needs it
         self._renders: dict[str, bool] = {}  # whether the template renders tools, calls
+        # Images: None without an image token (no processor is ever loaded then); the
+        # positions every sample gets ("mrope": [P, 3], cluster/images.py; None: none).
+        self.vision, self.position_ids = vision, position_ids
+        self._image_options = (data.image_storage_options, data.image_fetch_timeout_s)
 
     @classmethod
     def load(
@@ -244,15 +263,37 @@ class Encoder:
     ) -> Encoder:
         tokenizer = load_tokenizer(model_path, trust_remote_code)
         template = resolve_chat_template(data.chat_template, tokenizer)
-        return cls(tokenizer, template, data, vocab_size(Path(model_path)), generate)
+        vocab = vocab_size(Path(model_path))
+        image_token_id, position_ids = vision_settings(model_path, tokenizer)
+        vision = None
+        if image_token_id is not None:
+            vision = Vision(model_path, trust_remote_code, image_token_id, position_ids)
+        return cls(tokenizer, template, data, vocab, generate, vision, position_ids)
 
-    def encode(self, rows: list[Row]) -> list[Encoded | PromptEncoded | str]:
-        """Each row's (ids, loss mask), or why it is rejected. Generating (`generate`): each
-        row's prompt instead, the tokens the model answers, with a mask of zeros."""
+    def image_sources(self, base_dir: Path) -> ImageSources:
+        """Where image parts are read from: paths relative to `base_dir` (the input's
+        folder), object storage with data.image_storage_options."""
+        return ImageSources(base_dir, *self._image_options)
+
+    def encode(
+        self, rows: list[Row], images: ImageSources | None = None
+    ) -> list[Encoded | PromptEncoded | ExpandedRow | str]:
+        """Each row's (ids, loss mask), or why it is rejected; a row with images: its
+        ExpandedRow, its images read from `images` (default: paths relative to the current
+        directory). Generating (`generate`): each row's prompt instead, the tokens the model
+        answers, with a mask of zeros."""
         if self.generate is not None:
-            return [r.reason or self._encode_prompt(r) for r in rows]
+            return [
+                r.reason or (r.images and GENERATE_IMAGES) or self._encode_prompt(r) for r in rows
+            ]
         # "": filled in below
-        results: list[Any] = [r.reason or self._unrendered(r.messages, r.tools) or "" for r in rows]
+        results: list[Any] = [
+            r.reason
+            or (r.images and self._unrendered_image(r))
+            or self._unrendered(r.messages, r.tools)
+            or ""
+            for r in rows
+        ]
         texts = [i for i, r in enumerate(rows) if r.text is not None]
         chats = [i for i, r in enumerate(rows) if r.messages is not None and not results[i]]
         if texts:
@@ -262,7 +303,46 @@ class Encoder:
         encoded = self._encode_chats([rows[i] for i in chats])
         for i, result in zip(chats, encoded, strict=True):
             results[i] = result
-        return [r if isinstance(r, str) else self._check(*r) for r in results]
+        checked = [r if isinstance(r, str) else self._check(*r) for r in results]
+        for i, row in enumerate(rows):
+            if row.images and not isinstance(checked[i], str):
+                if images is None:
+                    images = self.image_sources(Path.cwd())
+                checked[i] = self._with_images(row, checked[i], images)
+        return checked
+
+    # -- images ------------------------------------------------------------------------------
+
+    def _unrendered_image(self, row: Row) -> str | None:
+        if self.vision is None:
+            return NO_IMAGE_TOKEN
+        return unrendered_image(row.messages or [], str(row.messages_field), self.content_format)
+
+    def _with_images(self, row: Row, encoded: Encoded, images: ImageSources) -> ExpandedRow | str:
+        """A row's collapsed (ids, mask) expanded by the model's processor with its images."""
+        assert self.vision is not None and row.messages is not None
+        read, pictures = [], []
+        for where, source in row.images:
+            image = images.read(source)
+            if isinstance(image, str):
+                return f"{where}: {image}"
+            try:
+                pictures.append(image.picture())
+            except Exception as exc:  # PIL's decoders raise what they meet
+                return f"{where}: cannot decode the image: {type(exc).__name__}: {exc}"
+            read.append(image)
+        try:  # the text the row's tokens came from, for the processor to expand
+            text = self._render(row.messages, False, row.tools)
+        except Exception as exc:  # a template is user code; its errors are the row's
+            return f"chat template error: {exc}"
+        expanded = self.vision.expand(text, *encoded, read, pictures)
+        if isinstance(expanded, str):
+            return expanded
+        if len(expanded.input_ids) > self.max_length:
+            return f"{len(expanded.input_ids)} tokens > max_length {self.max_length}"
+        if not expanded.loss_mask.any():
+            return NO_MASKED_TOKENS
+        return expanded
 
     # -- prompts to generate from ------------------------------------------------------------
 

@@ -30,6 +30,7 @@ import zarr
 from zarr.codecs import ZstdCodec
 
 from hsx_store.fp8 import FP8_ATTR, FP8_DTYPE, scale_name
+from hsx_store.images import SampleImage
 from hsx_store.location import (
     StoreAccessError,
     describe_failure,
@@ -38,15 +39,18 @@ from hsx_store.location import (
     open_location,
 )
 from hsx_store.model_identity import model_identity
+from hsx_store.store_errors import StoreFormatError, StoreIncomplete
 
 # 2: the `created` marker and `shard_plan_sha256`; 3: `weights_fingerprint`; 4: a plan streamed
 # into the store (`planned`, arrays grown as shards are planned); 5: `final_states` (the pre-norm
-# final state as well as the post-norm one) instead of `final_state`.
-SCHEMA_VERSION = 5
+# final state as well as the post-norm one) instead of `final_state`; 6: images
+# (`image_token_id`, `position_ids`, the image table and `images/`).
+SCHEMA_VERSION = 6
 # Read, never written: a schema-2 store reads as one whose weights fingerprint is unknown (None);
 # schema 2 and 3 stores were planned whole before `created`; schema 2-4 ones hold the post-norm
-# final state only (their `final_state` reads as final_states == [final_state]).
-READABLE_SCHEMA_VERSIONS = (2, 3, 4, 5)
+# final state only (their `final_state` reads as final_states == [final_state]); schema 2-5
+# ones hold text only (image_token_id and position_ids read as None).
+READABLE_SCHEMA_VERSIONS = (2, 3, 4, 5, 6)
 PER_SAMPLE_BLOCK = 1 << 16  # sample_start / sample_length elements per chunk
 PER_SHARD_BLOCK = 1 << 12  # shard_plan_sha256 elements per chunk
 BF16_ATTR = {"stored_as": "uint16", "dtype": "bfloat16"}
@@ -70,6 +74,11 @@ HIDDEN_ARRAYS = ("aux_hidden_states", "final_hidden_states", "prenorm_hidden_sta
 FINAL_STATE_ARRAYS = {"post_norm": "final_hidden_states", "pre_norm": "prenorm_hidden_states"}
 DTYPES = ("bfloat16", "float32", FP8_DTYPE)  # a manifest's dtype: how hidden states are stored
 HIDDEN_ITEMSIZE = {"bfloat16": 2, "float32": 4, FP8_DTYPE: 1}
+POSITION_IDS = ("mrope",)  # a manifest's position_ids, where not None
+# An image store's table: one row per image, in sample order (a sample's in prompt order).
+IMAGE_ARRAYS = ("image_sample", "image_start", "image_length", "image_grid_thw", "image_digest")
+# image_sample's fill: rows not written yet (a plan still growing) sort after every sample.
+NO_IMAGE_SAMPLE = np.iinfo(np.int64).max
 
 
 @dataclass(frozen=True)
@@ -84,6 +93,16 @@ class StoredArray:
     @property
     def row_bytes(self) -> int:
         return int(np.prod(self.row_shape, dtype=np.int64)) * self.dtype.itemsize
+
+
+def plan_arrays(manifest: Manifest) -> tuple[str, ...]:
+    """The token-major arrays the driver writes: ids, mask and (M-RoPE stores) position ids."""
+    return ("input_ids", "loss_mask", *(("position_ids",) if manifest.mrope else ()))
+
+
+def image_arrays(manifest: Manifest) -> tuple[str, ...]:
+    """The image table's arrays (IMAGE_ARRAYS) where the store holds images, else none."""
+    return IMAGE_ARRAYS if manifest.has_images else ()
 
 
 def hidden_row_shape(manifest: Manifest, name: str) -> tuple[int, ...]:
@@ -106,14 +125,6 @@ def stored_arrays(manifest: Manifest) -> list[StoredArray]:
         return values + scales
     dtype, attrs = (np.uint16, BF16_ATTR) if m.dtype == "bfloat16" else (np.float32, {})
     return [StoredArray(n, hidden_row_shape(m, n), np.dtype(dtype), attrs) for n in m.hidden_arrays]
-
-
-class StoreFormatError(ValueError):
-    """The store is not one this code can read (wrong schema version, not a store, inconsistent)."""
-
-
-class StoreIncomplete(StoreFormatError):
-    """The store's creation was interrupted: its plan rows are not all written."""
 
 
 def open_group(
@@ -169,6 +180,9 @@ class Manifest:
     codec: dict[str, Any]  # {"name": "zstd", "level": 1} or {"name": "none"}
     chunk_tokens: int
     samples_per_shard: int
+    # Schema 6; None in older stores and in a text store.
+    image_token_id: int | None = None  # the prompt's image token: set in a store of images
+    position_ids: str | None = None  # "mrope": the plan keeps each row's 3 M-RoPE positions
 
     def __post_init__(self) -> None:
         _check_version(self.schema_version)
@@ -188,11 +202,28 @@ class Manifest:
             raise ValueError(f"layer_ids {ids} must be strictly ascending, one per aux slot")
         if min(self.chunk_tokens, self.samples_per_shard, self.hidden_size, self.num_aux) < 1:
             raise ValueError("chunk_tokens, samples_per_shard, hidden_size, num_aux must be >= 1")
+        token = self.image_token_id
+        if token is not None and (type(token) is not int or token < 0):
+            raise ValueError(f"image_token_id must be a token id or None, got {token!r}")
+        if self.position_ids is not None and self.position_ids not in POSITION_IDS:
+            raise ValueError(f"position_ids must be 'mrope' or None, got {self.position_ids!r}")
+        if self.schema_version < 6 and (token is not None or self.position_ids is not None):
+            raise ValueError(f"schema {self.schema_version} holds no images or position ids")
 
     @property
     def hidden_arrays(self) -> tuple[str, ...]:
         """The hidden arrays this store holds: the aux states, then one per final state."""
         return ("aux_hidden_states", *(FINAL_STATE_ARRAYS[s] for s in self.final_states))
+
+    @property
+    def has_images(self) -> bool:
+        """The store holds an image table (and `images/`)."""
+        return self.image_token_id is not None
+
+    @property
+    def mrope(self) -> bool:
+        """The plan keeps `position_ids` [T, 3]."""
+        return self.position_ids == "mrope"
 
     @property
     def served_dtype(self) -> str:
@@ -234,6 +265,8 @@ class Manifest:
 def manifest_fields(version: int) -> set[str]:
     """The fields a manifest of schema `version` holds."""
     names = {f.name for f in dataclasses.fields(Manifest)}
+    if version < 6:
+        names -= {"image_token_id", "position_ids"}
     if version < 5:
         names = names - {"final_states"} | {"final_state"}
     return names - {"weights_fingerprint"} if version == 2 else names
@@ -260,12 +293,16 @@ def make_manifest(
     chunk_tokens: int | None = None,
     prenorm: bool = True,
     dtype: str | None = None,
+    image_token_id: int | None = None,
+    position_ids: str | None = None,
 ) -> Manifest:
     """A manifest with the recommended codec and chunking. `capture` holds the capture fields
     named as in a dump's meta.json (layer_ids, layer_convention, hidden_size, num_aux, dtype),
     so calibration can compare a dump with the manifest key by key. `prenorm`: keep the final
     norm's input too (what vLLM speculators trains on) besides the post-norm state. `dtype`:
-    how the store keeps hidden states (FP8_DTYPE, from a bf16 capture); None: as captured."""
+    how the store keeps hidden states (FP8_DTYPE, from a bf16 capture); None: as captured.
+    `image_token_id`: a store of images (the model's image token); `position_ids`: "mrope"
+    where the model positions its rows in 3 M-RoPE sections (the plan keeps them)."""
     model_dir = Path(model_dir)
     num_aux, hidden = int(capture["num_aux"]), int(capture["hidden_size"])
     dtype = dtype or capture["dtype"]
@@ -289,6 +326,8 @@ def make_manifest(
         codec=dict(codec),
         chunk_tokens=chunk_tokens or default_chunk_tokens(num_aux, hidden, itemsize),
         samples_per_shard=samples_per_shard,
+        image_token_id=None if image_token_id is None else int(image_token_id),
+        position_ids=position_ids,
     )
 
 
@@ -336,10 +375,23 @@ def layout(
     return starts, shards, pos
 
 
-def plan_digest(input_ids: np.ndarray, loss_mask: np.ndarray) -> str:
-    """sha256 of a shard's planned rows (int32 ids, then uint8 mask), as `shard_plan_sha256`."""
+def plan_digest(
+    input_ids: np.ndarray,
+    loss_mask: np.ndarray,
+    position_ids: np.ndarray | None = None,
+    images: Sequence[tuple[int, SampleImage]] = (),
+) -> str:
+    """sha256 of a shard's planned rows (int32 ids, then uint8 mask; then, in an image store,
+    int32 position ids [rows, 3] and the shard's image table rows, each as (store sample
+    index, image)), as `shard_plan_sha256`. A text store's is that of its ids and mask alone."""
     digest = hashlib.sha256(np.ascontiguousarray(input_ids, np.int32).tobytes())
     digest.update(np.ascontiguousarray(loss_mask, np.uint8).tobytes())
+    if position_ids is not None:
+        digest.update(b"position_ids")
+        digest.update(np.ascontiguousarray(position_ids, np.int32).tobytes())
+    for sample, im in images:
+        t, h, w = im.grid_thw
+        digest.update(f"image {sample} {im.start} {im.length} {t} {h} {w} {im.digest};".encode())
     return digest.hexdigest()
 
 
@@ -515,6 +567,29 @@ class Store:
         """Shard k's summary as its writer committed it; None before that."""
         text = str(self.group["shard_summary"][k])
         return json.loads(text) if text else None
+
+    def sample_images(self, begin: int, end: int) -> dict[int, list[SampleImage]]:
+        """The images of samples [begin, end) (planned ones), by sample index, each sample's in
+        prompt order; samples without images are left out, and a store without images has
+        none. One read of `image_sample`, then of the other arrays' rows in range."""
+        if not self.manifest.has_images or end <= begin:
+            return {}
+        # Ascending, and rows not written yet hold NO_IMAGE_SAMPLE: a sorted search finds the
+        # range.
+        samples = np.asarray(self.array("image_sample")[:])
+        lo, hi = np.searchsorted(samples, [begin, end]).tolist()
+        if lo == hi:
+            return {}
+        at = slice(lo, hi)
+        starts = np.asarray(self.array("image_start")[at]).tolist()
+        lengths = np.asarray(self.array("image_length")[at]).tolist()
+        grids = np.asarray(self.array("image_grid_thw")[at]).tolist()
+        digests = np.asarray(self.array("image_digest")[at]).tolist()
+        images: dict[int, list[SampleImage]] = {}
+        for j, i in enumerate(samples[at].tolist()):
+            image = SampleImage(str(digests[j]), starts[j], lengths[j], tuple(grids[j]))
+            images.setdefault(i, []).append(image)
+        return images
 
     def sample_rows(self, i: int) -> slice:
         start = int(self.sample_start[i])

@@ -4,9 +4,9 @@
 Reads the store (never writes it) and reports every problem it finds, each naming the shard,
 sample or array concerned, in a VerifyReport (hsx_store/integrity_report.py: its text and exit
 status); it stops early only when the store cannot be opened. Checks, each reported OK / FAIL /
-SKIP by name: manifest, arrays, layout, commits, plan, chunks, values (and recompute, logprobs
-when cluster/verify passes them). A failed manifest check makes the store unreadable and skips
-the rest. The row scans of the chunks and values checks are hsx_store/row_scan.py's.
+SKIP by name: manifest, arrays, layout, commits, plan, images, chunks, values (and recompute,
+logprobs when cluster/verify passes them). A failed manifest check makes the store unreadable
+and skips the rest. The row scans of the chunks and values checks are hsx_store/row_scan.py's.
 
 What each check proves: docs/using-the-data.md.
 """
@@ -34,13 +34,16 @@ from hsx_store.format import (
     Shard,
     Store,
     StoreFormatError,
+    image_arrays,
     layout,
     manifest_fields,
     open_group,
+    plan_arrays,
     plan_digest,
     stored_arrays,
 )
 from hsx_store.fp8 import FP8_DTYPE, scale_name
+from hsx_store.images import ImageBlobs, SampleImage
 from hsx_store.integrity_report import CHECKS, VerifyReport
 from hsx_store.location import StoreAccessError, describe_failure
 from hsx_store.row_scan import BLOCK_BYTES, fp8_row_flags, row_bytes, row_flags, stored_chunk_rows
@@ -63,7 +66,13 @@ MANIFEST_TYPES: dict[str, tuple[type, ...]] = {
     "codec": (dict,),
     "chunk_tokens": (int,),
     "samples_per_shard": (int,),
+    "image_token_id": (int, type(None)),  # schema 6
+    "position_ids": (str, type(None)),  # schema 6
 }
+
+
+# Per image_arrays() name: one row's shape and dtype.
+IMAGE_ROWS = (((), "int64"), ((), "int32"), ((), "int32"), ((3,), "int32"), ((), "str"))
 
 
 def _sample_name(ids: np.ndarray, i: int) -> str:
@@ -206,6 +215,7 @@ class _Verifier:
             self.ids = np.asarray(self.g["sample_id"][:])
         self.status = np.zeros(store.num_samples, np.uint8)
         self.committed: list[Shard] = []  # committed shards, their rows worth checking
+        self._images: dict[int, list[SampleImage]] | None = None  # the image table, once read
 
     def name(self, i: int) -> str:
         return _sample_name(self.ids, i) if self.ids is not None else str(i)
@@ -236,9 +246,12 @@ class _Verifier:
         streamed = m.schema_version >= 4
         per_sample = (PER_SAMPLE_BLOCK,) if streamed else (max(n, 1),)
         per_shard = (PER_SHARD_BLOCK,) if streamed else (max(s, 1),)
+        # The image table's rows: as many as image_sample holds (nothing else says).
+        images = self.g["image_sample"].shape[0] if "image_sample" in self.g else 0
         return {
             "input_ids": ((t,), "int32", (c,)),
             "loss_mask": ((t,), "uint8", (c,)),
+            **({"position_ids": ((t, 3), "int32", (c, 3))} if m.mrope else {}),
             **{
                 a.name: ((t, *a.row_shape), a.dtype.name, (c, *a.row_shape))
                 for a in stored_arrays(m)
@@ -250,6 +263,10 @@ class _Verifier:
             "shard_committed": ((s,), "uint8", (1,)),
             "shard_summary": ((s,), "str", (1,)),
             "shard_plan_sha256": ((s,), "str", per_shard),
+            **{
+                name: ((images, *row), dtype, (PER_SAMPLE_BLOCK, *row))
+                for name, (row, dtype) in zip(image_arrays(m), IMAGE_ROWS, strict=False)
+            },
         }
 
     def check_arrays(self) -> None:
@@ -289,7 +306,7 @@ class _Verifier:
                 not wanted and "stored_as" in attrs
             ):
                 problems.append(f"attributes {attrs} != {wanted}")
-        if name in (*stored, "input_ids", "loss_mask"):
+        if name in (*stored, *plan_arrays(self.m)):
             codecs = [type(c).__name__ for c in arr.compressors]
             wanted_codecs = ["ZstdCodec"] if self.m.codec["name"] == "zstd" else []
             if codecs != wanted_codecs:
@@ -307,7 +324,7 @@ class _Verifier:
                 f"sample {self.name(i)}: length {lengths[i]} > max_length {m.max_length}",
             )
         ends = starts + lengths
-        for name in ("input_ids", "loss_mask", *(a.name for a in stored_arrays(m))):
+        for name in (*plan_arrays(m), *(a.name for a in stored_arrays(m))):
             if name in self.g:
                 rows = self.g[name].shape[0]
                 outside = np.flatnonzero((starts < 0) | (ends > rows))
@@ -468,26 +485,128 @@ class _Verifier:
     # -- plan --
 
     def check_plan(self) -> str | None:
-        unusable = {"input_ids", "loss_mask", "shard_plan_sha256"} & self.bad_arrays
+        rows_arrays = list(plan_arrays(self.m))
+        unusable = {*rows_arrays, *image_arrays(self.m), "shard_plan_sha256"} & self.bad_arrays
         if unusable:
             return f"{sorted(unusable)} unusable"
         recorded = np.asarray(self.g["shard_plan_sha256"][:])
+        planned = " / ".join(rows_arrays) + (
+            " rows and image table" if self.m.has_images else " rows"
+        )
+        images = self.image_table() if self.m.has_images else {}
         for sh in self.committed:
             rows = slice(sh.token_begin, sh.token_end)
             try:
-                digest = plan_digest(self.g["input_ids"][rows], self.g["loss_mask"][rows])
+                positions = self.g["position_ids"][rows] if self.m.mrope else None
+                shard_images = [
+                    (i, im)
+                    for i in range(sh.sample_begin, sh.sample_end)
+                    for im in images.get(i, [])
+                ]
+                digest = plan_digest(
+                    self.g["input_ids"][rows], self.g["loss_mask"][rows], positions, shard_images
+                )
             except Exception:
-                if not self.damaged_chunks(["input_ids", "loss_mask"], sh):
+                if not self.damaged_chunks(rows_arrays, sh):
                     raise
                 continue  # named; the other shards are still checked
             if digest != recorded[sh.index]:
                 self.report.error(
                     "plan",
-                    f"shard {sh.index} ({self.span(sh.sample_begin, sh.sample_end)}): input_ids /"
-                    f" loss_mask rows are not the plan recorded at creation (sha256 "
+                    f"shard {sh.index} ({self.span(sh.sample_begin, sh.sample_end)}): {planned} "
+                    f"are not the plan recorded at creation (sha256 "
                     f"{digest[:12]} != {str(recorded[sh.index])[:12]})",
                 )
         return None
+
+    # -- images --
+
+    def image_table(self) -> dict[int, list[SampleImage]]:
+        """Every sample's images, as the store's table holds them (read once)."""
+        if self._images is None:
+            self._images = self.store.sample_images(0, self.store.num_samples)
+        return self._images
+
+    def check_images(self) -> str | None:
+        """An image store's table: rows in sample order, each span inside its sample, after
+        the sample's image before it, on image tokens with loss mask 0, its grid 3 counts;
+        every image named there stored under its digest. Each finding names the sample."""
+        if not self.m.has_images:
+            return None  # a text store: no image to check
+        unusable = {*image_arrays(self.m), "input_ids", "loss_mask"} & self.bad_arrays
+        if unusable:
+            return f"{sorted(unusable)} unusable"
+        samples = np.asarray(self.g["image_sample"][:])
+        if samples.size and (
+            (np.diff(samples) < 0).any() or samples[0] < 0 or samples[-1] >= self.store.num_samples
+        ):
+            self.report.error(
+                "images",
+                f"image_sample is not ascending within the {self.store.num_samples} samples "
+                f"(first {samples[:5].tolist()}, last {samples[-5:].tolist()})",
+            )
+            return None
+        blobs, table = ImageBlobs(self.store), self.image_table()
+        stored: dict[str, str | None] = {}  # digest -> what is wrong with its blob, if anything
+        for sh in self.store.shards:
+            held = [i for i in range(sh.sample_begin, sh.sample_end) if i in table]
+            if not held:
+                continue
+            rows = slice(sh.token_begin, sh.token_end)  # the shard's plan rows, read once
+            ids, mask = np.asarray(self.g["input_ids"][rows]), np.asarray(self.g["loss_mask"][rows])
+            for i in held:
+                at = self.store.sample_rows(i)
+                local = slice(at.start - sh.token_begin, at.stop - sh.token_begin)
+                for n, im in enumerate(table[i]):
+                    where = (
+                        f"sample {self.name(i)}: image {n} (rows {im.start}.."
+                        f"{im.start + im.length - 1} of the sample)"
+                    )
+                    self.check_span(where, im, ids[local], mask[local], table[i][:n])
+                    if im.digest not in stored:
+                        stored[im.digest] = _blob_problem(blobs, im.digest)
+                    if stored[im.digest] is not None:
+                        self.report.error("images", f"{where}: {stored[im.digest]}")
+        self.report.checked.update(
+            images_checked=sum(map(len, table.values())), image_blobs_checked=len(stored)
+        )
+        return None
+
+    def check_span(
+        self,
+        where: str,
+        im: SampleImage,
+        ids: np.ndarray,
+        mask: np.ndarray,
+        before: list[SampleImage],
+    ) -> None:
+        """One image's span in its sample's `ids` and `mask` (`before`: the sample's images
+        before it)."""
+        after = before[-1].start + before[-1].length if before else 0
+        if im.length < 1 or im.start < after or im.start + im.length > len(ids):
+            self.report.error(
+                "images",
+                f"{where} lies outside the sample's {len(ids)} rows or before the end of the "
+                f"image before it (row {after})",
+            )
+            return
+        span = slice(im.start, im.start + im.length)
+        if (other := np.flatnonzero(ids[span] != self.m.image_token_id)).size:
+            self.report.error(
+                "images",
+                f"{where}: {other.size} rows are not the image token {self.m.image_token_id} "
+                f"(first: row {im.start + int(other[0])} holds {int(ids[span][other[0]])})",
+            )
+        if (trained := np.flatnonzero(mask[span])).size:
+            self.report.error(
+                "images",
+                f"{where}: loss mask 1 on {trained.size} image rows (first: row "
+                f"{im.start + int(trained[0])})",
+            )
+        if min(im.grid_thw) < 1:
+            self.report.error(
+                "images", f"{where}: grid_thw {list(im.grid_thw)} is not 3 counts >= 1"
+            )
 
     # -- chunks --
 
@@ -608,6 +727,15 @@ class _Verifier:
                 )
 
 
+def _blob_problem(blobs: ImageBlobs, digest: str) -> str | None:
+    """What is wrong with image `digest`'s stored bytes (missing, damaged, not a digest)."""
+    try:
+        blobs.get(digest)
+    except (StoreFormatError, ValueError) as exc:
+        return str(exc)
+    return None
+
+
 ModelCheckRun = Callable[[Store, VerifyReport], str | None]  # a skip reason or None
 
 
@@ -636,6 +764,7 @@ def verify_store(
     v.run("layout", v.check_layout)
     v.run("commits", v.check_commits)
     v.run("plan", v.check_plan)
+    v.run("images", v.check_images)
     v.run("chunks", v.check_chunks)
     v.run("values", v.check_values)
     v.run(

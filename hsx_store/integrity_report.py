@@ -17,6 +17,7 @@ CHECKS = (
     "layout",
     "commits",
     "plan",
+    "images",
     "chunks",
     "values",
     "recompute",

@@ -7,7 +7,9 @@
 
 A sample is a dict of `sample_id`, `input_ids`, `loss_mask`, `aux_hidden_states`,
 `final_hidden_states` and, where the store keeps it, `prenorm_hidden_states`; FP8 stores read as
-bf16 unless `fp8="raw"`. The visible samples are a snapshot taken when the reader is built. The
+bf16 unless `fp8="raw"`. A store of images adds `image_spans`, `image_grid_thw`, `images` (the
+encoded bytes, checked against their digests) and `image_digests`, and an M-RoPE one
+`position_ids`. The visible samples are a snapshot taken when the reader is built. The
 store is opened lazily in each process (on object storage: not in a forked worker). Chunks are
 read ahead of the consumer: local files by hsx_store/file_rows.py, remote objects by
 hsx_store/object_rows.py. A reader is bound to the store it was built on (its `store_id`): rows
@@ -23,6 +25,7 @@ import hashlib
 import logging
 import os
 import time
+from collections import OrderedDict
 from collections.abc import Iterable, Iterator, Mapping
 from pathlib import Path
 from typing import Any, Literal
@@ -38,8 +41,9 @@ from zarr.storage import LocalStore, ObjectStore
 
 from hsx_store import file_rows, object_rows
 from hsx_store.file_rows import FileRows
-from hsx_store.format import STATUS_WRITTEN, Manifest, Shard, Store, stored_arrays
+from hsx_store.format import STATUS_WRITTEN, Manifest, Shard, Store, plan_arrays, stored_arrays
 from hsx_store.fp8 import FP8_DTYPE, as_float8, dequantize, scale_name
+from hsx_store.images import ImageBlobs, SampleImage
 from hsx_store.location import StoreAccessError, is_remote
 from hsx_store.object_rows import RemoteRows
 from hsx_store.read_ahead import Block
@@ -49,7 +53,8 @@ Sample = dict[str, Any]
 Fp8Mode = Literal["dequantize", "raw"]
 log = logging.getLogger(__name__)
 COMPLETE = "the job is complete: every planned shard is committed"  # why following ended
-PLAN_ARRAYS = ("input_ids", "loss_mask")
+PLAN_ARRAYS = ("input_ids", "loss_mask")  # a text store's (plan_arrays: an M-RoPE store's too)
+IMAGE_CACHE_BYTES = 64 << 20  # encoded images kept per process: a sample's images often recur
 
 
 class StoreReplaced(StoreAccessError):
@@ -117,7 +122,7 @@ def fingerprint(location: ZarrStore) -> Fingerprint:
 
 def token_arrays(manifest: Manifest) -> list[str]:
     """The store's token-major arrays: the plan's, the hidden ones and an FP8 store's scales."""
-    return [*PLAN_ARRAYS, *(a.name for a in stored_arrays(manifest))]
+    return [*plan_arrays(manifest), *(a.name for a in stored_arrays(manifest))]
 
 
 class _StoreView:
@@ -151,6 +156,9 @@ class _StoreView:
         self.seen: set[int] = set()  # their indices
         self.sample_ids = np.zeros(0, dtype=object)
         self.written = np.zeros(0, dtype=bool)  # per sample: in a committed shard, and written
+        self.images: dict[int, list[SampleImage]] = {}  # image stores: those of the shards seen
+        self._blobs: ImageBlobs | None = None  # per process, like the store handle
+        self._blob_cache: OrderedDict[str, bytes] = OrderedDict()
         self.refresh()
 
     def refresh(self) -> list[Shard]:
@@ -168,6 +176,7 @@ class _StoreView:
                 begin, end = min(sh.sample_begin for sh in new), max(sh.sample_end for sh in new)
                 ids = np.asarray(store.array("sample_id")[begin:end])
                 status = np.asarray(store.array("sample_status")[begin:end])
+                images = store.sample_images(begin, end)  # {} for a text store: no read
         except Exception as exc:  # another store's arrays misread: say that, if so
             self.check(cause=exc)
             raise
@@ -187,6 +196,9 @@ class _StoreView:
             )
             self.sample_ids[at] = ids[of]
             self.written[at] = status[of] == STATUS_WRITTEN
+            self.images.update(
+                (i, images[i]) for i in range(sh.sample_begin, sh.sample_end) if i in images
+            )
         self.shards += new
         self.seen.update(sh.index for sh in new)
         return new
@@ -222,7 +234,8 @@ class _StoreView:
             self.check()
 
     def __getstate__(self) -> dict[str, Any]:
-        return {**self.__dict__, "_store": None, "_rows": None}  # per process
+        per_process = {"_store": None, "_rows": None, "_blobs": None, "_blob_cache": OrderedDict()}
+        return {**self.__dict__, **per_process}
 
     @property
     def store(self) -> Store:
@@ -234,6 +247,7 @@ class _StoreView:
                     "multiprocessing_context='spawn' (or 'forkserver')"
                 )
             self._store, self._rows = None, None  # its read threads stayed in the parent
+            self._blobs = None
         if self._store is None:
             store = Store.open(self.url, storage_options=self.storage_options)
             # Its attributes were read as it opened: no extra read.
@@ -278,9 +292,43 @@ class _StoreView:
             "input_ids": torch.from_numpy(rows["input_ids"][a:b].astype(np.int64)),
             "loss_mask": torch.from_numpy(rows["loss_mask"][a:b].astype(np.int64)),
         }
+        if self.manifest.mrope:
+            positions = rows["position_ids"][a:b].astype(np.int64)
+            sample["position_ids"] = torch.from_numpy(positions)
         for name in self.manifest.hidden_arrays:
             sample.update(self._hidden(name, rows, slice(a, b)))
+        if self.manifest.has_images:
+            sample.update(self._images(i))
         return sample
+
+    def _images(self, i: int) -> dict[str, Any]:
+        """Sample i's images: spans [n, 2] (start, length), grids [n, 3], bytes, digests."""
+        images = self.images.get(i, [])
+        spans = [[im.start, im.length] for im in images]
+        return {
+            "image_spans": torch.tensor(spans, dtype=torch.int64).reshape(-1, 2),
+            "image_grid_thw": torch.tensor(
+                [list(im.grid_thw) for im in images], dtype=torch.int64
+            ).reshape(-1, 3),
+            "images": [self.image_bytes(im.digest) for im in images],
+            "image_digests": [im.digest for im in images],
+        }
+
+    def image_bytes(self, digest: str) -> bytes:
+        """An image's encoded bytes, digest-checked (ImageBlobs.get), from a small cache by
+        digest (IMAGE_CACHE_BYTES) where it was read lately."""
+        cache = self._blob_cache
+        if digest in cache:
+            cache.move_to_end(digest)
+            return cache[digest]
+        store = self.store  # first: refuses a forked copy of a remote store
+        if self._blobs is None:
+            self._blobs = ImageBlobs(store)
+        data = self._blobs.get(digest)
+        cache[digest] = data
+        while sum(map(len, cache.values())) > IMAGE_CACHE_BYTES and len(cache) > 1:
+            cache.popitem(last=False)
+        return data
 
     def _hidden(self, name: str, rows: dict[str, np.ndarray], at: slice) -> dict[str, Any]:
         """Hidden array `name`'s entries of a sample: aux flattened to [T, num_aux * H]."""

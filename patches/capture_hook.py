@@ -125,7 +125,7 @@ class CaptureSession:
                 f"no pre-norm final state for this forward ({type(runner.model).__name__} "
                 f"did not pass its final norm through {FINAL_NORM_TARGET})"
             )
-        layout = self._layout_for(runner, aux, final)
+        layout = self._layout_for(runner, aux, final, forward_batch)
         prompt_len = request.prompt_len
 
         row0 = sum(forward_batch.extend_seq_lens_cpu[:i])
@@ -152,6 +152,11 @@ class CaptureSession:
                 dump.pending.fill(name, start, state)
         dump.pending.fill("input_ids", start, forward_batch.input_ids[rows].to(torch.int64))
         dump.pending.fill("positions", start, forward_batch.positions[rows].to(torch.int64))
+        if layout.get("mrope"):
+            mrope = forward_batch.mrope_positions
+            if mrope is None:
+                raise RuntimeError("an M-RoPE model's forward carries no mrope_positions")
+            dump.pending.fill("mrope_positions", start, mrope[:, rows].T.to(torch.int64))
         dump.covered[start : start + n] = True
         if not bool(dump.covered.all()):
             return None
@@ -192,6 +197,8 @@ class CaptureSession:
             "prenorm_hidden_states": (prompt_len,),
         }
         ids = {name: ((prompt_len,), torch.int64) for name in ("input_ids", "positions")}
+        if layout.get("mrope"):  # row r: the (t, h, w) positions the model used for row r
+            ids["mrope_positions"] = ((prompt_len, 3), torch.int64)
         if not self.settings.quantize:
             return ids | {name: ((*rows, hidden), dtype) for name, rows in states.items()}
         scales = {scale_name(name): (rows, torch.float32) for name, rows in states.items()}
@@ -215,7 +222,9 @@ class CaptureSession:
         if dump is not None:
             dump.pending.abort()
 
-    def _layout_for(self, runner: Any, aux: torch.Tensor, final: torch.Tensor) -> dict[str, Any]:
+    def _layout_for(
+        self, runner: Any, aux: torch.Tensor, final: torch.Tensor, forward_batch: Any
+    ) -> dict[str, Any]:
         """What every dump of this server shares; resolved once, from the model itself."""
         if self._layout is None:
             from sglang.srt.runtime_context import get_exec
@@ -238,6 +247,10 @@ class CaptureSession:
                 "final_states": FINAL_STATES,
                 "architecture": type(runner.model).__name__,
             }
+            # An M-RoPE model (Qwen-VL) gets positions per forward for all its extends, 3 a
+            # row; text models' dumps keep their tensors and meta unchanged.
+            if getattr(forward_batch, "mrope_positions", None) is not None:
+                self._layout["mrope"] = True
         return self._layout
 
 

@@ -107,6 +107,12 @@ def deepseek_path(models_dir: Path) -> Path:
     return models_dir / "deepseek-v3-tiny"
 
 
+@pytest.fixture(scope="session")
+def qwen25_vl_path(models_dir: Path) -> Path:
+    """The tiny Qwen2.5-VL with its processor: made only by the sessions that ask for it."""
+    return ensure_models(models_dir, ["qwen25-vl-tiny"])["qwen25-vl-tiny"]
+
+
 # -- servers, clusters, storage ---------------------------------------------------------------
 
 

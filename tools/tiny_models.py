@@ -1,10 +1,11 @@
 """Make small, deterministic models locally: no hub, random weights, a tokenizer trained in seconds.
 
-    python -m tools.tiny_models OUT_DIR [--only llama-tiny deepseek-v3-tiny ...]
+    python -m tools.tiny_models OUT_DIR [--only llama-tiny deepseek-v3-tiny qwen25-vl-tiny ...]
 
 Each model lands in OUT_DIR/<name>/ as an ordinary HF checkpoint (config.json, bf16 safetensors,
-tokenizer files with a chat template) that both SGLang and transformers load. The same seed gives
-the same bytes, so a directory made once can be re-used (`ensure_models` skips what is there).
+tokenizer files with a chat template; `qwen25-vl-tiny` also an image processor) that both SGLang and
+transformers load. The same seed gives the same bytes, so a directory made once can be re-used
+(`ensure_models` skips what is there).
 """
 
 from __future__ import annotations
@@ -53,7 +54,7 @@ CHAT_TEMPLATE = (  # Jinja runs with trim_blocks: a newline right after a tag is
     "{% endfor %}"
     "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
 )
-# Bumped whenever what write_model makes changes: older copies are then made again.
+# Bumped whenever what a preset makes changes: older copies are then made again.
 MODEL_VERSION = 2
 
 _WORDS = (
@@ -75,20 +76,25 @@ def _corpus(lines: int = 4000) -> Iterable[str]:
         yield " ".join(_WORDS[j] for j in idx) + f" {i % 97}. Why? Yes, it's {i}!"
 
 
-def make_tokenizer() -> PreTrainedTokenizerFast:
+def _train_tokenizer(special_tokens: list[str]) -> Tokenizer:
+    """Byte-level BPE on the corpus; the special tokens take ids 0..N-1, in order."""
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
     tok.post_processor = processors.ByteLevel(trim_offsets=False)
     trainer = trainers.BpeTrainer(
         vocab_size=VOCAB_SIZE,
-        special_tokens=SPECIAL_TOKENS,
+        special_tokens=special_tokens,
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
     tok.train_from_iterator(_corpus(), trainer=trainer)
+    return tok
+
+
+def make_tokenizer() -> PreTrainedTokenizerFast:
     return PreTrainedTokenizerFast(
-        tokenizer_object=tok,
+        tokenizer_object=_train_tokenizer(SPECIAL_TOKENS),
         bos_token="<|bos|>",
         eos_token="<|eos|>",
         pad_token="<|pad|>",
@@ -186,12 +192,16 @@ PRESETS: dict[str, Callable[[PreTrainedTokenizerFast], PretrainedConfig]] = {
 }
 
 
+# Norm weights, which start near 1: the text models' and Qwen2.5-VL's vision tower's.
+NORM_WEIGHTS = ("norm.weight", "norm1.weight", "norm2.weight", "ln_q.weight")
+
+
 def _randomize(model: torch.nn.Module) -> None:
     """Seeded weights with more spread than HF's 0.02 init, so layers differ visibly."""
     g = torch.Generator().manual_seed(SEED)
     with torch.no_grad():
         for name, p in sorted(model.named_parameters()):
-            if name.endswith("norm.weight") or "layernorm" in name:
+            if name.endswith(NORM_WEIGHTS) or "layernorm" in name:
                 p.copy_(1.0 + 0.1 * torch.randn(p.shape, generator=g))
             elif "e_score_correction_bias" in name:
                 p.zero_()
@@ -211,18 +221,160 @@ def write_model(name: str, out_dir: Path, tokenizer: PreTrainedTokenizerFast) ->
     path = out_dir / name
     model.save_pretrained(path, safe_serialization=True)
     tokenizer.save_pretrained(path)
-    marker = {"preset": name, "seed": SEED, "version": MODEL_VERSION}
-    (path / "tiny_model.json").write_text(json.dumps(marker))
+    _mark_complete(path, name)
     return path
 
 
-def ensure_models(out_dir: Path, names: Iterable[str] = tuple(PRESETS)) -> dict[str, Path]:
+def _mark_complete(path: Path, name: str) -> None:
+    """Written last: a copy without it (or of another version) is made again."""
+    marker = {"preset": name, "seed": SEED, "version": MODEL_VERSION}
+    (path / "tiny_model.json").write_text(json.dumps(marker))
+
+
+# -- a tiny Qwen2.5-VL: images through SGLang's multimodal path -------------------------------
+
+# Qwen2.5's special tokens (its strings, our ids 0..13: <|vision_start|> 9, <|vision_end|> 10,
+# <|image_pad|> 12, <|video_pad|> 13).
+QWEN_SPECIAL_TOKENS = [
+    "<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|object_ref_start|>", "<|object_ref_end|>",
+    "<|box_start|>", "<|box_end|>", "<|quad_start|>", "<|quad_end|>", "<|vision_start|>",
+    "<|vision_end|>", "<|vision_pad|>", "<|image_pad|>", "<|video_pad|>",
+]  # fmt: skip
+
+# Qwen2.5-VL's own chat template: one <|vision_start|><|image_pad|><|vision_end|> per image
+# part (the processor expands the pad), Qwen's default system prompt.
+QWEN25_VL_CHAT_TEMPLATE = (
+    "{% set image_count = namespace(value=0) %}{% set video_count = namespace(value=0) %}"
+    "{% for message in messages %}"
+    "{% if loop.first and message['role'] != 'system' %}"
+    "<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n{% endif %}"
+    "<|im_start|>{{ message['role'] }}\n"
+    "{% if message['content'] is string %}{{ message['content'] }}<|im_end|>\n"
+    "{% else %}{% for content in message['content'] %}"
+    "{% if content['type'] == 'image' or 'image' in content or 'image_url' in content %}"
+    "{% set image_count.value = image_count.value + 1 %}"
+    "{% if add_vision_id %}Picture {{ image_count.value }}: {% endif %}"
+    "<|vision_start|><|image_pad|><|vision_end|>"
+    "{% elif content['type'] == 'video' or 'video' in content %}"
+    "{% set video_count.value = video_count.value + 1 %}"
+    "{% if add_vision_id %}Video {{ video_count.value }}: {% endif %}"
+    "<|vision_start|><|video_pad|><|vision_end|>"
+    "{% elif 'text' in content %}{{ content['text'] }}{% endif %}"
+    "{% endfor %}<|im_end|>\n{% endif %}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+# Qwen2.5-VL's patch geometry: 14-pixel patches, 2x2 merged into one image token.
+PATCH_SIZE, MERGE_SIZE, TEMPORAL_PATCH_SIZE = 14, 2, 2
+
+
+def qwen25_vl_config(tokenizer: PreTrainedTokenizerFast) -> PretrainedConfig:
+    """Text: hidden 128, 4 layers, head_dim 32, M-RoPE sections [4, 6, 6] (sum head_dim / 2).
+    Vision: depth 2, hidden 64, one full-attention block, out_hidden 128 (the text's)."""
+    from transformers import Qwen2_5_VLConfig
+
+    ids = {t: tokenizer.convert_tokens_to_ids(t) for t in QWEN_SPECIAL_TOKENS}
+    text = dict(
+        hidden_size=128,
+        intermediate_size=256,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        rms_norm_eps=1e-6,
+        rope_parameters={
+            "rope_type": "default",
+            "rope_theta": 1000000.0,
+            "mrope_section": [4, 6, 6],
+        },
+        **_common(tokenizer) | {"bos_token_id": ids["<|endoftext|>"]},  # as Qwen2.5's
+    )
+    vision = dict(
+        depth=2,
+        hidden_size=64,
+        intermediate_size=128,
+        num_heads=2,
+        in_channels=3,
+        patch_size=PATCH_SIZE,
+        spatial_merge_size=MERGE_SIZE,
+        temporal_patch_size=TEMPORAL_PATCH_SIZE,
+        tokens_per_second=2,
+        window_size=112,
+        out_hidden_size=128,
+        fullatt_block_indexes=[1],
+    )
+    return Qwen2_5_VLConfig(
+        architectures=["Qwen2_5_VLForConditionalGeneration"],
+        text_config=text,
+        vision_config=vision,
+        image_token_id=ids["<|image_pad|>"],
+        video_token_id=ids["<|video_pad|>"],
+        vision_start_token_id=ids["<|vision_start|>"],
+        vision_end_token_id=ids["<|vision_end|>"],
+        tie_word_embeddings=False,
+        dtype="bfloat16",
+    )
+
+
+def write_qwen25_vl(name: str, out_dir: Path) -> Path:
+    """The model, its own tokenizer (Qwen's special tokens) and its processor."""
+    from transformers import (
+        AutoModelForImageTextToText,
+        Qwen2_5_VLProcessor,
+        Qwen2VLImageProcessor,
+        Qwen2VLVideoProcessor,
+    )
+
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=_train_tokenizer(QWEN_SPECIAL_TOKENS),
+        eos_token="<|im_end|>",
+        pad_token="<|endoftext|>",
+        chat_template=QWEN25_VL_CHAT_TEMPLATE,
+        model_max_length=4096,
+    )
+    torch.manual_seed(SEED)
+    config = qwen25_vl_config(tokenizer)
+    model = AutoModelForImageTextToText.from_config(config, dtype=torch.float32)
+    _randomize(model)
+    model = model.to(torch.bfloat16)
+    for part in (model.config.text_config, model.config.vision_config):
+        part.dtype = torch.bfloat16  # else from_config's float32 stays in the parts' configs
+    path = out_dir / name
+    model.save_pretrained(path, safe_serialization=True)
+    geometry = dict(
+        patch_size=PATCH_SIZE, temporal_patch_size=TEMPORAL_PATCH_SIZE, merge_size=MERGE_SIZE
+    )
+    processor = Qwen2_5_VLProcessor(
+        # From 56x56 px (4 image tokens) up to 256 image tokens an image: cheap on CPU.
+        image_processor=Qwen2VLImageProcessor(
+            min_pixels=56 * 56, max_pixels=28 * 28 * 256, **geometry
+        ),
+        video_processor=Qwen2VLVideoProcessor(**geometry),
+        tokenizer=tokenizer,
+        chat_template=QWEN25_VL_CHAT_TEMPLATE,
+    )
+    processor.save_pretrained(path)
+    _mark_complete(path, name)
+    return path
+
+
+# Models that bring their own tokenizer and processor: name -> writer (name, out_dir).
+MULTIMODAL_PRESETS: dict[str, Callable[[str, Path], Path]] = {"qwen25-vl-tiny": write_qwen25_vl}
+MODELS = (*PRESETS, *MULTIMODAL_PRESETS)
+
+
+def ensure_models(out_dir: Path, names: Iterable[str] = MODELS) -> dict[str, Path]:
     """Write the named models unless a complete copy is already in out_dir."""
     out_dir.mkdir(parents=True, exist_ok=True)
+    names = list(names)
     missing = [n for n in names if _version(out_dir / n) != MODEL_VERSION]
-    tokenizer = make_tokenizer() if missing else None
+    tokenizer = make_tokenizer() if any(n in PRESETS for n in missing) else None
     for name in missing:
-        write_model(name, out_dir, tokenizer)
+        if name in MULTIMODAL_PRESETS:
+            MULTIMODAL_PRESETS[name](name, out_dir)
+        else:
+            assert tokenizer is not None
+            write_model(name, out_dir, tokenizer)
     return {n: out_dir / n for n in names}
 
 
@@ -236,7 +388,7 @@ def _version(path: Path) -> int | None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("out_dir", type=Path)
-    parser.add_argument("--only", nargs="+", choices=sorted(PRESETS), default=sorted(PRESETS))
+    parser.add_argument("--only", nargs="+", choices=sorted(MODELS), default=sorted(MODELS))
     args = parser.parse_args()
     for name, path in ensure_models(args.out_dir, args.only).items():
         print(f"{name}: {path}")

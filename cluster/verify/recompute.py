@@ -14,6 +14,7 @@ Design: docs/design/verify.md.
 
 from __future__ import annotations
 
+import functools
 import math
 import uuid
 from collections.abc import Iterator
@@ -22,6 +23,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from actors.planned_sample import ImageUrls, PlannedSample, image_urls, planned_sample
 from cluster.verify.model_check import ModelCheck
 from cluster.verify.recompute_bound import NOISE_FLOOR, Bound, pooled_noise, relative
 from hsx_store.fp8 import FP8_DTYPE, dequantize, scale_name
@@ -114,18 +116,28 @@ class RecomputeCheck(ModelCheck):
 
     def capture(self, server: SGLangServer, i: int, how: str) -> Rows:
         from actors.capture_client import generate_and_capture, wait_for_dump
+        from actors.dump_checks import check_tokens
         from patches.dump_files import read_dump, release_dump
 
-        ids = self.input_ids(i)
+        sample = self.planned(i)
         rid = f"hsx-verify-{how}-s{i}-{uuid.uuid4().hex[:8]}"
-        response = generate_and_capture(server, rid, input_ids=ids.tolist())
+        response = generate_and_capture(server, rid, **sample.request())
         try:
             tensors, meta = read_dump(wait_for_dump(response.dump_path))
-            if meta.get("rid") != rid or not np.array_equal(tensors["input_ids"].numpy(), ids):
+            if meta.get("rid") != rid:
                 raise RuntimeError(f"the dump is not this request's (rid {meta.get('rid')!r})")
+            check_tokens(tensors, sample)
             return {name: tensors[name].clone() for name in self.arrays}  # the dump is reused
         finally:
             release_dump(response.dump_path)
+
+    def planned(self, i: int) -> PlannedSample:
+        """Sample i as the job sent it: its images resent with it."""
+        return planned_sample(self.store, i, self._image_urls)
+
+    @functools.cached_property
+    def _image_urls(self) -> ImageUrls | None:
+        return image_urls(self.store)  # each image read once per check
 
     def failed(self, i: int, how: str, exc: Exception) -> None:
         self.report.error(

@@ -61,6 +61,7 @@ def export(
             f"{url} is still being planned ({store.num_samples} samples so far): export it "
             "once its plan is complete"
         )
+    refuse_images(url, store, fmt)
     last_slot = kind.check_store(url, store.manifest, allow_post_norm)
     sample_ids = [str(s) for s in np.asarray(store.group["sample_id"][:])]
     _check_unique(sample_ids)
@@ -139,6 +140,21 @@ def export(
         + (f"; following ended: {reader.ended}" if follow else "")
     )
     return summary
+
+
+def refuse_images(url: str, store: Store, fmt: str) -> None:
+    """A store holding images is not exported: neither trainer's offline format carries
+    pixels (SpecForge removed its VLM training, commit 7d1fbf08; speculators' datasets hold
+    the image placeholders only), so a drafter would train on image rows whose states came
+    from images it never sees. A text plan on a vision model (no image in its table; its
+    M-RoPE positions three equal aranges, the plain ones) exports as any text store."""
+    if store.manifest.has_images and (images := store.array("image_sample").shape[0]):
+        raise ExportError(
+            f"{url} is a store of images ({images} in its samples): the {fmt} format has no "
+            "place for images (SpecForge's offline data and speculators' datasets carry no "
+            "pixels), so it is not exported; train on it with the readers "
+            "(hsx_store.reader), which yield each sample's images and positions"
+        )
 
 
 def _wait_for_the_plan(url: str, store: Store, poll_s: float, say: Callable[[str], Any]) -> None:

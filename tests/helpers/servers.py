@@ -20,8 +20,13 @@ from patches.settings import CaptureSettings
 RID_PREFIX = "hsx-"
 
 # The sglang.srt.models modules of the tiny models' architectures (tools/tiny_models.py; the
-# noisy model is a Llama too).
-SERVED_MODEL_MODULES = {"LlamaForCausalLM": "llama", "DeepseekV3ForCausalLM": "deepseek_v2"}
+# noisy model is a Llama too). Only the registry skips the others: a module that one of these
+# imports (qwen2_5_vl imports qwen2, the Qwen-VL processors import qwen3_5 ...) still loads.
+SERVED_MODEL_MODULES = {
+    "LlamaForCausalLM": "llama",
+    "DeepseekV3ForCausalLM": "deepseek_v2",
+    "Qwen2_5_VLForConditionalGeneration": "qwen2_5_vl",
+}
 
 
 def unserved_model_modules() -> str:

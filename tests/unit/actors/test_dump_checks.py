@@ -10,8 +10,10 @@ import torch
 from actors import dump_checks
 from actors.calibration_result import Calibration
 from actors.dump_checks import DumpMismatch, _first_non_finite_row, check_dump
+from actors.planned_sample import PlannedSample
 from hsx_store.format import Manifest
 from hsx_store.fp8 import quantize_rows, scale_name
+from hsx_store.images import SampleImage
 from tests.helpers import synthetic
 from tests.helpers.synthetic import NUM_AUX, H
 
@@ -66,7 +68,7 @@ def check(tensors: dict[str, torch.Tensor], meta: dict, m: Manifest) -> None:
         tensors,
         meta,
         rid="r",
-        input_ids=np.arange(len(tensors["input_ids"])),
+        sample=PlannedSample(np.arange(len(tensors["input_ids"]))),
         cached_tokens=0,
         manifest=m,
         calibration=Calibration(offset=0, probe_tokens=5, seconds=0.1),
@@ -98,3 +100,63 @@ def test_quantized_rows_for_a_bf16_store_and_unquantized_rows_of_another_dtype_f
     served["final_hidden_states"] = torch.zeros(4, H, dtype=torch.float32)
     with pytest.raises(DumpMismatch, match=r"final_hidden_states is torch\.float32, expected"):
         check(served, meta | {"quantized": None}, m)  # an FP8 store quantizes bf16 rows
+
+
+def image_dump() -> tuple[dict[str, torch.Tensor], PlannedSample]:
+    """A float32 dump of 8 rows with one image at rows 2-5 (image token 12): SGLang's pad
+    values there, M-RoPE positions as planned."""
+    image = SampleImage("ab" * 32, start=2, length=4, grid_thw=(1, 4, 4))
+    planned = np.array([1, 9, 12, 12, 12, 12, 10, 3], np.int32)
+    positions = np.array(
+        [[0, 0, 0], [1, 1, 1], [2, 2, 2], [2, 2, 3], [2, 3, 2], [2, 3, 3], [4, 4, 4], [5, 5, 5]],
+        np.int32,
+    )
+    dumped = torch.tensor([1, 9, 7 << 58, 5 << 57, 3 << 59, 7 << 58, 10, 3])
+    tensors = {
+        "input_ids": dumped,
+        "mrope_positions": torch.from_numpy(positions.astype(np.int64)),
+        "aux_hidden_states": torch.zeros(8, NUM_AUX, H),
+        "final_hidden_states": torch.zeros(8, H),
+    }
+    return tensors, PlannedSample(planned, (image,), ("data:",), positions, 12)
+
+
+def check_image_dump(tensors: dict[str, torch.Tensor], sample: PlannedSample) -> None:
+    m = synthetic.manifest("float32")
+    check_dump(
+        tensors,
+        {"rid": "r", "index": 7, "dp_rank": None, "layer_ids": m.layer_ids},
+        rid="r",
+        sample=sample,
+        cached_tokens=0,
+        manifest=m,
+        calibration=Calibration(offset=0, probe_tokens=5, seconds=0.1),
+    )
+
+
+def test_an_image_dump_passes_with_pad_values_in_its_span_and_is_refused_otherwise() -> None:
+    tensors, sample = image_dump()
+    check_image_dump(tensors, sample)
+    unexpanded = dict(tensors, input_ids=torch.from_numpy(sample.input_ids.astype(np.int64)))
+    with pytest.raises(DumpMismatch, match="row 2 holds the image token itself"):
+        check_image_dump(unexpanded, sample)
+    shifted = dict(tensors, input_ids=tensors["input_ids"].roll(1))
+    with pytest.raises(DumpMismatch, match="token ids differ from the plan from position 0"):
+        check_image_dump(shifted, sample)
+    wrong_text = dict(tensors, input_ids=tensors["input_ids"].clone())
+    wrong_text["input_ids"][6] = 11  # <|vision_end|> changed: outside the span
+    with pytest.raises(DumpMismatch, match="from position 6"):
+        check_image_dump(wrong_text, sample)
+
+
+def test_m_rope_positions_must_be_the_planned_ones() -> None:
+    tensors, sample = image_dump()
+    moved = dict(tensors, mrope_positions=tensors["mrope_positions"].clone())
+    moved["mrope_positions"][4, 1] += 1
+    with pytest.raises(DumpMismatch, match="M-RoPE positions differ from the plan from row 4"):
+        check_image_dump(moved, sample)
+    with pytest.raises(DumpMismatch, match="no mrope_positions"):
+        check_image_dump({k: v for k, v in tensors.items() if k != "mrope_positions"}, sample)
+    flat = dict(tensors, mrope_positions=tensors["mrope_positions"][:, 0])
+    with pytest.raises(DumpMismatch, match="shape"):
+        check_image_dump(flat, sample)

@@ -24,6 +24,8 @@ import pytest
 
 from cluster.config import DataConfig
 from cluster.content_format import content_format
+from cluster.conversation import parse_openai
+from cluster.images import NO_IMAGE_TOKEN
 from cluster.plan import Plan, Reject, build_plan
 from cluster.plan_encode import UNRENDERED
 from tests.helpers.prompts import write_jsonl
@@ -627,7 +629,23 @@ BAD_ROWS: list[tuple[dict[str, Any], str]] = [
     ),
     (
         {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]},
-        "messages[0].content[0] is an image: this job captures text only",
+        "messages[0].content[0].image_url.url must be a string, got null",
+    ),
+    (
+        {"messages": [{"role": "user", "content": [{"type": "input_image", "image_url": 5}]}]},
+        "messages[0].content[0].image_url must be a string, got int",
+    ),
+    (
+        {"messages": [{"role": "user", "content": [{"type": "image", "url": ""}]}]},
+        "messages[0].content[0].url is an empty string",
+    ),
+    (
+        {"messages": [{"role": "user", "content": [{"type": "image", "path": "a", "url": "b"}]}]},
+        "messages[0].content[0] must hold one of image, url, path",
+    ),
+    (  # a well-formed image part, on a model that takes none (the tiny llama)
+        {"messages": [{"role": "user", "content": [{"type": "image", "image": "cat.png"}]}]},
+        NO_IMAGE_TOKEN,
     ),
     (
         {"messages": [{"role": "user", "content": ["hi"]}]},
@@ -701,6 +719,30 @@ def test_every_conversation_reject_reason_and_the_job_goes_on(
     assert plan.rejected == [
         {"sample_id": f"bad-{i}", "reason": reason} for i, (_, reason) in enumerate(BAD_ROWS)
     ]
+
+
+IMAGE_PARTS = [
+    {"type": "image_url", "image_url": {"url": "a.png", "detail": "low"}},
+    {"type": "image_url", "image_url": "a.png"},
+    {"type": "input_image", "image_url": "a.png"},
+    {"type": "image", "image": "a.png"},
+    {"type": "image", "url": "a.png"},
+    {"type": "image", "path": "a.png"},
+]
+
+
+@pytest.mark.parametrize("part", IMAGE_PARTS)
+def test_every_image_part_shape_comes_out_in_one(part: dict[str, Any]) -> None:
+    text = {"type": "text", "text": "what?"}
+    conv = parse_openai([{"role": "user", "content": [text, part]}], None, "m", "t", ["user"])
+    assert not isinstance(conv, str)
+    assert conv.messages[0]["content"] == [text, {"type": "image", "image": "a.png"}]
+
+
+def test_text_parts_are_kept_as_they_are() -> None:
+    content = [{"type": "text", "text": "a"}, {"type": "input_text", "text": "b"}]
+    conv = parse_openai([{"role": "user", "content": content}], None, "m", "t", ["user"])
+    assert not isinstance(conv, str) and conv.messages[0]["content"] is content
 
 
 # -- 4: Parquet and datasets directories --------------------------------------------------------

@@ -266,7 +266,7 @@ def planner(**generate: Any) -> ResponsePlanner:
             "generate": generate,
         }
     )
-    return ResponsePlanner(config)
+    return ResponsePlanner(config, mrope=False)
 
 
 def test_responses_become_samples_with_their_turn_end_and_a_mask_on_what_was_written() -> None:

@@ -1,0 +1,397 @@
+"""Image parts of chat rows: their sources read, and the model's processor expanding them.
+
+    image_token_id, position_ids = vision_settings(model_path)      # (12, "mrope") or (None, None)
+    sources = ImageSources(base_dir, data.image_storage_options, data.image_fetch_timeout_s)
+    image = sources.read("pics/cat.png")                           # ReadImage, or a reason
+    vision = Vision(model_path, trust_remote_code, image_token_id, position_ids)
+    row = vision.expand(text, ids, mask, [image])                  # ExpandedRow, or a reason
+
+The chat template renders one image token per image; the row's tokens and loss mask are
+computed from that rendering as for any row, then expanded here with the model's own HF
+processor: each image token becomes the processor's run of them (loss mask 0), and an M-RoPE
+model gets HF's own position ids for the expanded row (docs/design/planning.md). An image is
+kept as the bytes it was read as, named by their sha256 (hsx_store/images.py).
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import functools
+import inspect
+import io
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+from urllib.parse import unquote, urlparse
+
+import numpy as np
+
+from hsx_store.images import SampleImage, image_digest
+from hsx_store.location import mask_secrets, obstore_options
+
+MROPE = "mrope"
+NO_IMAGE_TOKEN = "the model takes no images (its config.json names no image token)"
+# Where a config keeps its rotary settings; an `mrope_section` there means M-RoPE positions.
+_ROPE_KEYS = ("rope_scaling", "rope_parameters")
+
+
+def vision_settings(model_path: str | Path, tokenizer: Any = None) -> tuple[int | None, str | None]:
+    """(the model's image token id, "mrope" or None) from its config.json: `image_token_id`
+    (or LLaVA's `image_token_index`), else, for a model with a `vision_config`, its tokenizer's
+    image token (`tokenizer`, or loaded; a text model's never is)."""
+    config = json.loads((Path(model_path) / "config.json").read_text())
+    return _image_token_id(config, model_path, tokenizer), _position_ids(config)
+
+
+def _image_token_id(config: dict[str, Any], model_path: str | Path, tokenizer: Any) -> int | None:
+    for key in ("image_token_id", "image_token_index"):
+        if isinstance(config.get(key), int):
+            return config[key]
+    if "vision_config" not in config:
+        return None
+    if tokenizer is None:
+        from transformers import AutoTokenizer
+
+        tokenizer = AutoTokenizer.from_pretrained(str(model_path))
+    token_id = getattr(tokenizer, "image_token_id", None)
+    if token_id is None and getattr(tokenizer, "image_token", None):
+        token_id = tokenizer.convert_tokens_to_ids(tokenizer.image_token)
+    return token_id if isinstance(token_id, int) else None
+
+
+def _position_ids(config: dict[str, Any]) -> str | None:
+    for section in (config, config.get("text_config") or {}):
+        for key in _ROPE_KEYS:
+            rope = section.get(key)
+            if isinstance(rope, dict) and rope.get("mrope_section"):
+                return MROPE
+    return None
+
+
+# ---------------------------------------------------------------------------------------------
+# Sources
+
+
+@dataclass(frozen=True)
+class ReadImage:
+    """An image part's encoded bytes, as read, and their sha256."""
+
+    digest: str
+    data: bytes
+
+    def picture(self) -> Any:
+        """The decoded PIL image (fresh each time: a part's pictures are not all kept)."""
+        from PIL import Image
+
+        picture = Image.open(io.BytesIO(self.data))
+        picture.load()
+        return picture
+
+
+class ImageSources:
+    """Reads image parts' sources: a data URL (`data:image/...;base64,...`), a path (relative
+    to `base_dir`, the input file's folder, or absolute, or `file://`), an object-storage URL
+    (`s3://bucket/key`; `gs://`, `az://`) through obstore, an http(s) URL. Each source is read
+    once; a failure is a reason (without the part's name: the caller adds it)."""
+
+    def __init__(
+        self,
+        base_dir: Path,
+        storage_options: dict[str, Any] | None = None,
+        timeout_s: float = 30.0,
+    ) -> None:
+        self.base_dir, self.storage_options, self.timeout_s = base_dir, storage_options, timeout_s
+        self._read: dict[str, ReadImage | str] = {}
+
+    def read(self, source: str) -> ReadImage | str:
+        if source.startswith("data:"):  # no fetch to save; the URL is as large as its bytes
+            return self._fetch(source)
+        if source not in self._read:
+            self._read[source] = self._fetch(source)
+        return self._read[source]
+
+    def _fetch(self, source: str) -> ReadImage | str:
+        scheme = urlparse(source).scheme if "://" in source or source.startswith("data:") else ""
+        try:
+            if scheme == "data":
+                data = _data_url_bytes(source)
+            elif scheme in ("http", "https"):
+                data = self._http(source)
+            elif scheme and scheme != "file":
+                data = self._object(source)
+            else:
+                data = _file_bytes(self._path(source), source)
+        except _Unreadable as exc:
+            return str(exc)
+        except Exception as exc:  # a fetch's failure is the row's (obstore, requests)
+            text = mask_secrets(f"{type(exc).__name__}: {exc}", self.storage_options)
+            return f"cannot fetch image {_shown(source)}: {text}"
+        return _checked(source, data)
+
+    def _path(self, source: str) -> Path:
+        if source.startswith("file://"):
+            return Path(unquote(urlparse(source).path))
+        return self.base_dir / source  # an absolute path stays itself
+
+    def _http(self, url: str) -> bytes:
+        import requests
+
+        response = requests.get(url, timeout=self.timeout_s)
+        if response.status_code != 200:
+            raise _Unreadable(f"cannot fetch image {url}: HTTP {response.status_code}")
+        return response.content
+
+    def _object(self, url: str) -> bytes:
+        import obstore
+
+        parsed = urlparse(url)
+        store = _object_store(
+            f"{parsed.scheme}://{parsed.netloc}",
+            json.dumps(self.storage_options or {}, sort_keys=True, default=str),
+            self.timeout_s,
+        )
+        return bytes(obstore.get(store, parsed.path.lstrip("/")).bytes())
+
+
+class _Unreadable(Exception):
+    """A source that cannot be read, with the reason to give."""
+
+
+def _file_bytes(path: Path, source: str) -> bytes:
+    """The file's bytes; a reason names it as the row does, and where that led."""
+    try:
+        return path.read_bytes()
+    except OSError as exc:
+        where = "" if str(path) == source else f" (at {path})"
+        raise _Unreadable(
+            f"cannot read image file {source}{where}: {exc.strerror or exc}"
+        ) from None
+
+
+def _shown(source: str) -> str:
+    """A source as a reason names it: a data URL by its head only."""
+    return source[:40] + "..." if source.startswith("data:") and len(source) > 40 else source
+
+
+def _data_url_bytes(url: str) -> bytes:
+    head, comma, payload = url.partition(",")
+    if not comma or not head.endswith(";base64"):
+        raise _Unreadable("a data URL must be base64: data:image/<type>;base64,<data>")
+    try:
+        return base64.b64decode(payload, validate=True)
+    except (binascii.Error, ValueError) as exc:
+        raise _Unreadable(f"a data URL's base64 is not valid: {exc}") from None
+
+
+def _checked(source: str, data: bytes) -> ReadImage | str:
+    """The bytes if PIL recognizes an image format in them (decoding comes later, per row)."""
+    from PIL import Image, UnidentifiedImageError
+
+    try:
+        with Image.open(io.BytesIO(data)):
+            pass
+    except (UnidentifiedImageError, OSError, ValueError):
+        return f"{_shown(source)} is not an image (PIL cannot identify its format)"
+    return ReadImage(image_digest(data), data)
+
+
+@functools.lru_cache(maxsize=16)
+def _object_store(bucket_url: str, options_json: str, timeout_s: float) -> Any:
+    """One obstore client per bucket and settings, in each planning process."""
+    import obstore.store
+
+    options = json.loads(options_json)
+    options["client_options"] = {"timeout": timeout_s, **options.get("client_options", {})}
+    client, retry, rest = obstore_options(options)
+    keys = ("endpoint", "endpoint_url", "aws_endpoint")
+    endpoint = next((str(rest[k]) for k in keys if k in rest), "") or os.environ.get(
+        "AWS_ENDPOINT_URL_S3", os.environ.get("AWS_ENDPOINT_URL", "")
+    )
+    if str(endpoint).startswith("http://"):  # the user chose a plain-HTTP endpoint
+        client.setdefault("allow_http", True)
+    return obstore.store.from_url(bucket_url, client_options=client, retry_config=retry, **rest)
+
+
+# ---------------------------------------------------------------------------------------------
+# The processor's expansion and positions
+
+
+@dataclass(frozen=True)
+class ExpandedRow:
+    """A row with images, as planned: the processor's tokens, the loss mask (0 on image
+    tokens), M-RoPE positions [P, 3] (None: not an M-RoPE model), its images in prompt order
+    and their bytes (digest -> bytes)."""
+
+    input_ids: np.ndarray  # int32
+    loss_mask: np.ndarray  # uint8
+    position_ids: np.ndarray | None  # int32 [P, 3]
+    images: tuple[SampleImage, ...]
+    image_bytes: dict[str, bytes]
+
+
+def text_positions(count: int) -> np.ndarray:
+    """M-RoPE positions of a row without images: three aranges, [count, 3] int32."""
+    return np.repeat(np.arange(count, dtype=np.int32)[:, None], 3, axis=1)
+
+
+class Vision:
+    """The model's HF processor and, for an M-RoPE model, its own `get_rope_index` (on an
+    instance made on the meta device: no weights), each loaded on the first row with images;
+    a failure to load is every such row's reject reason."""
+
+    def __init__(
+        self,
+        model_path: str | Path,
+        trust_remote_code: bool,
+        image_token_id: int,
+        position_ids: str | None,
+    ) -> None:
+        self.model_path, self.trust_remote_code = str(model_path), trust_remote_code
+        self.image_token_id, self.mrope = image_token_id, position_ids == MROPE
+
+    @functools.cached_property
+    def processor(self) -> Any:
+        from transformers import AutoProcessor
+
+        try:
+            processor = AutoProcessor.from_pretrained(
+                self.model_path, trust_remote_code=self.trust_remote_code
+            )
+        except Exception as exc:  # any failure: the model has no usable one
+            return f"the model has no image processor ({type(exc).__name__}: {exc})"
+        if getattr(processor, "image_processor", None) is None:
+            return "the model has no image processor (AutoProcessor gives a tokenizer only)"
+        return processor
+
+    @functools.cached_property
+    def rope_index(self) -> Any:
+        import torch
+        from transformers import AutoConfig, AutoModel
+
+        try:
+            config = AutoConfig.from_pretrained(
+                self.model_path, trust_remote_code=self.trust_remote_code
+            )
+            with torch.device("meta"):
+                model = AutoModel.from_config(config, trust_remote_code=self.trust_remote_code)
+        except Exception as exc:  # model code; its errors are the row's
+            return f"cannot make the model class for its M-RoPE positions ({exc})"
+        for holder in (model, getattr(model, "model", None)):
+            if callable(getattr(holder, "get_rope_index", None)):
+                return holder.get_rope_index
+        return f"the model class {type(model).__name__} has no get_rope_index for its positions"
+
+    def expand(
+        self,
+        text: str,
+        ids: np.ndarray,
+        mask: np.ndarray,
+        images: list[ReadImage],
+        pictures: list[Any],
+    ) -> ExpandedRow | str:
+        """The row rendered as `text`, tokenized to `ids` (one image token per image) with
+        loss mask `mask`, expanded as the processor expands `text` with `images` (decoded:
+        `pictures`)."""
+        processor = self.processor
+        if isinstance(processor, str):
+            return processor
+        placeholders = int(np.count_nonzero(ids == self.image_token_id))
+        if placeholders != len(images):
+            return (
+                f"the chat template renders {placeholders} image placeholders for "
+                f"{len(images)} image parts"
+            )
+        try:
+            out = processor(
+                text=[text],
+                images=pictures,
+                return_tensors="pt",
+                return_mm_token_type_ids=True,
+                add_special_tokens=False,  # as the template's rendering is tokenized
+            )
+        except Exception as exc:  # a processor is model code; its errors are the row's
+            return f"the image processor failed: {type(exc).__name__}: {exc}"
+        theirs = out["input_ids"][0].numpy()
+        grid = out.get("image_grid_thw")
+        if grid is None or len(grid) != len(images):
+            return "the image processor gives no image_grid_thw for each image"
+        grid_rows = [tuple(int(v) for v in row) for row in grid.tolist()]
+        lengths = self._span_lengths(ids, theirs, grid_rows)
+        if isinstance(lengths, str):
+            return lengths
+        is_image = ids == self.image_token_id
+        counts = np.ones(len(ids), np.int64)
+        counts[is_image] = lengths
+        expanded = np.repeat(ids, counts)
+        assert np.array_equal(expanded, theirs)  # what _span_lengths established
+        starts = (np.cumsum(counts) - counts)[is_image]
+        spans = tuple(
+            SampleImage(image.digest, int(start), int(length), thw)
+            for image, start, length, thw in zip(images, starts, lengths, grid_rows, strict=True)
+        )
+        positions = self._positions(out) if self.mrope else None
+        if isinstance(positions, str):
+            return positions
+        return ExpandedRow(
+            expanded.astype(np.int32),
+            np.repeat(np.where(is_image, 0, mask), counts).astype(np.uint8),
+            positions,
+            spans,
+            {image.digest: image.data for image in images},
+        )
+
+    def _span_lengths(
+        self, ours: np.ndarray, theirs: np.ndarray, grid: list[tuple[int, int, int]]
+    ) -> list[int] | str:
+        """Each image's run length in the processor's tokens, where its other tokens are ours
+        in order: the image tokens between two of them are the images' between those two of
+        ours (several adjacent images share that run in proportion to their grids)."""
+        mine, its = ours != self.image_token_id, theirs != self.image_token_id
+        ours_text, theirs_text = ours[mine], theirs[its]
+        if not np.array_equal(ours_text, theirs_text):
+            n = min(len(ours_text), len(theirs_text))
+            first = next((k for k in range(n) if ours_text[k] != theirs_text[k]), n)
+            return (
+                "the image processor tokenizes the rendered text differently from the tokenizer "
+                f"(first difference at non-image token {first})"
+            )
+        # Image tokens before each text token (and after the last), ours and the processor's.
+        ours_gaps = np.diff(np.flatnonzero(np.append(mine, True)), prepend=-1) - 1
+        theirs_gaps = np.diff(np.flatnonzero(np.append(its, True)), prepend=-1) - 1
+        lengths: list[int] = []
+        gaps = zip(ours_gaps.tolist(), theirs_gaps.tolist(), strict=True)
+        for before, (placed, run) in enumerate(gaps):
+            if not placed and not run:
+                continue
+            if not placed or not run:
+                return (
+                    f"the image processor puts {run} image tokens where the template has "
+                    f"{placed} (before non-image token {before})"
+                )
+            sizes = [t * h * w for t, h, w in grid[len(lengths) : len(lengths) + placed]]
+            shares = [run * size // sum(sizes) for size in sizes]
+            if sum(shares) != run or not all(shares):
+                return (
+                    f"cannot share the image processor's {run} image tokens among {placed} "
+                    "adjacent images by their grids"
+                )
+            lengths += shares
+        return lengths
+
+    def _positions(self, out: Any) -> np.ndarray | str:
+        """HF's own M-RoPE positions of the processor's output, [P, 3] int32."""
+        rope_index = self.rope_index
+        if isinstance(rope_index, str):
+            return rope_index
+        wanted = inspect.signature(rope_index).parameters
+        kwargs = {k: v for k, v in out.items() if k in wanted and k != "input_ids"}
+        try:
+            positions, _ = rope_index(out["input_ids"], **kwargs)
+        except Exception as exc:  # model code; its errors are the row's
+            return f"the model's get_rope_index failed: {type(exc).__name__}: {exc}"
+        if positions.ndim != 3 or positions.shape[0] != 3:
+            return f"the model's get_rope_index gives positions of shape {tuple(positions.shape)}"
+        return positions[:, 0, :].T.numpy().astype(np.int32)
