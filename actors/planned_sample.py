@@ -1,12 +1,12 @@
 """A shard's planned samples as the worker sends and checks them: token ids, and for an image
 store each sample's images and M-RoPE positions.
 
-    samples = planned_samples(store, shard)          # sample index -> PlannedSample
-    payload = samples[i].request()                   # what /generate takes for it
+    samples = planned_samples(store, shard, image_urls(store))  # index -> PlannedSample
+    payload = samples[i].request()  # what /generate takes for it
 
 SGLang expands an image itself (its processor, the HF one): a request carries one image token
 per image and the image as a data URL (`image_data`); a prompt already expanded with
-`image_data` is never answered (docs/design/node-worker.md). So the request collapses each
+`image_data` is never answered (docs/design/images.md). So the request collapses each
 planned span to one image token, and the dump's rows are the planned, expanded ones.
 """
 
@@ -19,6 +19,7 @@ from typing import Any
 
 import numpy as np
 
+from actors.capture_client import CaptureError
 from hsx_store.format import Shard, Store
 from hsx_store.images import ImageBlobs, SampleImage, collapse
 
@@ -27,17 +28,23 @@ from hsx_store.images import ImageBlobs, SampleImage, collapse
 class PlannedSample:
     input_ids: np.ndarray  # int32, the planned (expanded) tokens
     images: tuple[SampleImage, ...] = ()
-    image_urls: tuple[str, ...] = ()  # each image as a data URL, in prompt order
+    urls: ImageUrls | None = None  # reads its images (an image store)
     position_ids: np.ndarray | None = None  # [P, 3] int32: M-RoPE stores
     image_token_id: int | None = None
 
     def request(self) -> dict[str, Any]:
-        """The /generate fields of its prompt: token ids (spans collapsed) and images."""
+        """The /generate fields of its prompt: token ids (spans collapsed) and its images as
+        data URLs, in prompt order. An image the store cannot give is this sample's
+        CaptureError (retried, then recorded as its failure), never the worker's."""
         if not self.images:
             return {"input_ids": self.input_ids.tolist()}
-        assert self.image_token_id is not None
+        assert self.image_token_id is not None and self.urls is not None
+        try:
+            image_data = [self.urls(image.digest) for image in self.images]
+        except Exception as exc:  # a missing or damaged blob, a failed GET
+            raise CaptureError(f"cannot read its image: {type(exc).__name__}: {exc}") from exc
         ids = collapse(self.input_ids, self.images, self.image_token_id)
-        return {"input_ids": ids, "image_data": list(self.image_urls)}
+        return {"input_ids": ids, "image_data": image_data}
 
 
 @dataclass
@@ -48,7 +55,7 @@ class ImageUrls:
     _urls: dict[str, str] = field(default_factory=dict)
 
     def __call__(self, digest: str) -> str:
-        if digest not in self._urls:
+        if digest not in self._urls:  # two threads may both read it: the same bytes
             self._urls[digest] = data_url(self.blobs.get(digest))
         return self._urls[digest]
 
@@ -87,11 +94,10 @@ def _planned(
     for i in range(first, stop):
         rows = store.sample_rows(i)
         at = slice(rows.start - begin, rows.stop - begin)
-        own = tuple(images.get(i, ()))
         planned[i] = PlannedSample(
             ids[at],
-            own,
-            tuple(urls(image.digest) for image in own) if urls else (),
+            tuple(images.get(i, ())),
+            urls,
             None if positions is None else positions[at],
             m.image_token_id,
         )

@@ -64,10 +64,12 @@ class _Part:
 class ResponsePlanner:
     """Turns one part's responses into samples and rejects (step 3 of the module doc)."""
 
-    def __init__(self, config: JobConfig, mrope: bool) -> None:
+    def __init__(self, config: JobConfig, mrope: bool, image_token_id: int | None = None) -> None:
         assert config.generate is not None
         self.generate = config.generate
         self.mrope = mrope  # the store keeps M-RoPE positions: a text sample's three aranges
+        # An image store's: a response holding it would be an image token without an image.
+        self.image_token_id = image_token_id
 
     def samples(self, record: dict[str, Any]) -> list[Sample | Reject]:
         return [self.sample(s) for s in record["samples"]]
@@ -87,6 +89,12 @@ class ResponsePlanner:
                     sample_id,
                     f"response cut at max_new_tokens {self.generate.max_new_tokens} (turn {k}; "
                     "generate.on_length: reject)",
+                )
+            if self.image_token_id is not None and self.image_token_id in written:
+                return Reject(
+                    sample_id,
+                    f"the response holds the image token ({self.image_token_id}) (turn {k}), "
+                    "without an image",
                 )
             ids += [*segment, *written]
             mask += [0] * len(segment) + [1] * len(written)
@@ -116,7 +124,7 @@ def generate_into(
         planners=planners,
         generate=gen,
     )
-    planner = ResponsePlanner(config, builder.m.position_ids == "mrope")
+    planner = ResponsePlanner(config, builder.m.position_ids == "mrope", builder.m.image_token_id)
     turn_ends = {chat: stream.encoder.turn_end(chat) for chat in (True, False)}
     per_part = max(1, config.store.samples_per_shard // gen.n)
     rejected: list[dict[str, str]] = []

@@ -1,16 +1,20 @@
 """Image parts of chat rows: their sources read, and the model's processor expanding them.
 
     image_token_id, position_ids = vision_settings(model_path)      # (12, "mrope") or (None, None)
-    sources = ImageSources(base_dir, data.image_storage_options, data.image_fetch_timeout_s)
+    sources = ImageSources(base_dir, data.image_storage_options, data.image_fetch_timeout_s,
+                           keep_in=ImageBlobs(location))           # None: keep nothing
     image = sources.read("pics/cat.png")                           # ReadImage, or a reason
     vision = Vision(model_path, trust_remote_code, image_token_id, position_ids)
-    row = vision.expand(text, ids, mask, [image])                  # ExpandedRow, or a reason
+    row = vision.expand(text, ids, mask, [image], [image.picture()])  # ExpandedRow, or a reason
+    sources.keep([image])                                          # an accepted row's, once
 
 The chat template renders one image token per image; the row's tokens and loss mask are
 computed from that rendering as for any row, then expanded here with the model's own HF
 processor: each image token becomes the processor's run of them (loss mask 0), and an M-RoPE
 model gets HF's own position ids for the expanded row (docs/design/planning.md). An image is
-kept as the bytes it was read as, named by their sha256 (hsx_store/images.py).
+kept as the bytes it was read as, named by their sha256 (hsx_store/images.py): the planning
+process puts each accepted row's images into the store itself, so no image travels to the
+driver, and it keeps only the last CACHED_SOURCES sources read.
 """
 
 from __future__ import annotations
@@ -22,18 +26,24 @@ import inspect
 import io
 import json
 import os
+import re
+from collections import OrderedDict
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
-from urllib.parse import unquote, urlparse
+from urllib.parse import unquote, urlparse, urlsplit, urlunsplit
 
 import numpy as np
 
-from hsx_store.images import SampleImage, image_digest
+from hsx_store.images import ImageBlobs, SampleImage, image_digest
 from hsx_store.location import mask_secrets, obstore_options
 
 MROPE = "mrope"
 NO_IMAGE_TOKEN = "the model takes no images (its config.json names no image token)"
+# Sources whose reads are kept (by count, the least recently used dropped): a conversation's
+# rows often share images, a whole part rarely needs them all at once.
+CACHED_SOURCES = 32
 # Where a config keeps its rotary settings; an `mrope_section` there means M-RoPE positions.
 _ROPE_KEYS = ("rope_scaling", "rope_parameters")
 
@@ -94,24 +104,45 @@ class ReadImage:
 class ImageSources:
     """Reads image parts' sources: a data URL (`data:image/...;base64,...`), a path (relative
     to `base_dir`, the input file's folder, or absolute, or `file://`), an object-storage URL
-    (`s3://bucket/key`; `gs://`, `az://`) through obstore, an http(s) URL. Each source is read
-    once; a failure is a reason (without the part's name: the caller adds it)."""
+    (`s3://bucket/key`; `gs://`, `az://`) through obstore, an http(s) URL. The last
+    CACHED_SOURCES sources read are not read again; a failure is a reason (without the part's
+    name: the caller adds it; a URL named without its query string or userinfo).
+
+    `keep_in`: where `keep` puts the images of accepted rows (the store's; None: nowhere, as
+    a dry run plans), each digest once per reader."""
 
     def __init__(
         self,
         base_dir: Path,
         storage_options: dict[str, Any] | None = None,
         timeout_s: float = 30.0,
+        keep_in: ImageBlobs | None = None,
     ) -> None:
         self.base_dir, self.storage_options, self.timeout_s = base_dir, storage_options, timeout_s
-        self._read: dict[str, ReadImage | str] = {}
+        self.keep_in = keep_in
+        self._read: OrderedDict[str, ReadImage | str] = OrderedDict()
+        self._kept: set[str] = set()  # digests put into keep_in by this reader
 
     def read(self, source: str) -> ReadImage | str:
         if source.startswith("data:"):  # no fetch to save; the URL is as large as its bytes
             return self._fetch(source)
-        if source not in self._read:
-            self._read[source] = self._fetch(source)
-        return self._read[source]
+        if source in self._read:
+            self._read.move_to_end(source)
+            return self._read[source]
+        read = self._read[source] = self._fetch(source)
+        if len(self._read) > CACHED_SOURCES:
+            self._read.popitem(last=False)
+        return read
+
+    def keep(self, images: Sequence[ReadImage]) -> None:
+        """Put an accepted row's images into `keep_in` (each digest once: a put of one already
+        there is a HEAD); nothing without it."""
+        if self.keep_in is None:
+            return
+        for image in images:
+            if image.digest not in self._kept:
+                self.keep_in.put(image.digest, image.data)
+                self._kept.add(image.digest)
 
     def _fetch(self, source: str) -> ReadImage | str:
         scheme = urlparse(source).scheme if "://" in source or source.startswith("data:") else ""
@@ -128,7 +159,7 @@ class ImageSources:
             return str(exc)
         except Exception as exc:  # a fetch's failure is the row's (obstore, requests)
             text = mask_secrets(f"{type(exc).__name__}: {exc}", self.storage_options)
-            return f"cannot fetch image {_shown(source)}: {text}"
+            return f"cannot fetch image {_shown(source)}: {_without_queries(text, source)}"
         return _checked(source, data)
 
     def _path(self, source: str) -> Path:
@@ -141,7 +172,7 @@ class ImageSources:
 
         response = requests.get(url, timeout=self.timeout_s)
         if response.status_code != 200:
-            raise _Unreadable(f"cannot fetch image {url}: HTTP {response.status_code}")
+            raise _Unreadable(f"cannot fetch image {_shown(url)}: HTTP {response.status_code}")
         return response.content
 
     def _object(self, url: str) -> bytes:
@@ -172,8 +203,32 @@ def _file_bytes(path: Path, source: str) -> bytes:
 
 
 def _shown(source: str) -> str:
-    """A source as a reason names it: a data URL by its head only."""
-    return source[:40] + "..." if source.startswith("data:") and len(source) > 40 else source
+    """A source as a reason names it: a data URL by its head only; a URL without its query
+    string, fragment and userinfo (a presigned URL's signature and credential, a password),
+    "?..." saying a query was cut."""
+    if source.startswith("data:"):
+        return source[:40] + "..." if len(source) > 40 else source
+    if "://" not in source or source.startswith("file://"):
+        return source
+    parts = urlsplit(source)
+    host = parts.netloc.rpartition("@")[2]
+    cut = "?..." if parts.query else ""
+    return urlunsplit((parts.scheme, host, parts.path, "", "")) + cut
+
+
+# A query string in an error's text (requests names the URL it failed on): up to a space,
+# quote or closing bracket.
+_QUERY = re.compile(r"\?[^\s'\")\]>]+")
+
+
+def _without_queries(text: str, source: str) -> str:
+    """An error's text about `source` without any query string or the URL's userinfo."""
+    parts = urlsplit(source) if "://" in source else None
+    if parts is None or parts.scheme not in ("http", "https"):
+        return text
+    if (userinfo := parts.netloc.rpartition("@")[0]) and len(userinfo) >= 4:
+        text = text.replace(userinfo, "***")
+    return _QUERY.sub("?...", text)
 
 
 def _data_url_bytes(url: str) -> bytes:
@@ -223,13 +278,12 @@ def _object_store(bucket_url: str, options_json: str, timeout_s: float) -> Any:
 class ExpandedRow:
     """A row with images, as planned: the processor's tokens, the loss mask (0 on image
     tokens), M-RoPE positions [P, 3] (None: not an M-RoPE model), its images in prompt order
-    and their bytes (digest -> bytes)."""
+    (their bytes stay with the reader: ImageSources.keep)."""
 
     input_ids: np.ndarray  # int32
     loss_mask: np.ndarray  # uint8
     position_ids: np.ndarray | None  # int32 [P, 3]
     images: tuple[SampleImage, ...]
-    image_bytes: dict[str, bytes]
 
 
 def text_positions(count: int) -> np.ndarray:
@@ -340,7 +394,6 @@ class Vision:
             np.repeat(np.where(is_image, 0, mask), counts).astype(np.uint8),
             positions,
             spans,
-            {image.digest: image.data for image in images},
         )
 
     def _span_lengths(

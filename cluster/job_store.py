@@ -288,7 +288,11 @@ def plan_into(
     the end). `planners`: as PlanStream's (0: in this process; None: every CPU of the nodes
     that hold the data). Setting `stop` ends it before its next store write."""
     stream = PlanStream(
-        config.data, config.model.path, config.model.trust_remote_code, planners=planners
+        config.data,
+        config.model.path,
+        config.model.trust_remote_code,
+        planners=planners,
+        images_to=(config.store.url, config.store.storage_options),
     )
     rejected: list[dict[str, str]] = []
     # Parts are of about equal size: a few of them project the whole early, before capture
@@ -316,7 +320,6 @@ def plan_into(
                 item.loss_mask,
                 item.position_ids,
                 item.images,
-                item.image_bytes,
             )
         if shards:
             on_shards(shards)
@@ -353,6 +356,13 @@ def check_resume(store: Store, config: JobConfig) -> None:
         )
     template = chat_template_text(config.data, config.model.path, config.model.trust_remote_code)
     wanted = manifest_for(config, template)
+    if stored.schema_version < 6 and wanted.image_token_id is not None:
+        raise ResumeConflict(
+            f"{config.store.url} has store schema {stored.schema_version}, made before images "
+            "were captured: it keeps no image table (nor M-RoPE positions) for this image "
+            "model, so this release does not extend it (finish it with that release, or use a "
+            "new store.url; reading, verifying and exporting it work as before)"
+        )
     problems = [
         f"{key}: store {getattr(stored, key)!r} != config {getattr(wanted, key)!r}"
         for key in wanted.to_json()

@@ -1,12 +1,16 @@
 """The planning step: turn the prompt data named by `DataConfig` into tokenized samples and rejects.
 
-    for item in PlanStream(config.data, config.model.path, planners=8):   # streamed, in order
+    stream = PlanStream(config.data, config.model.path, planners=8,
+                        images_to=(config.store.url, config.store.storage_options))
+    for item in stream:   # streamed, in order
         ...  # a Sample (accepted) or a Reject in input order, a PartEnd after each part
     plan = build_plan(config.data, config.model.path)                     # all of it, in memory
 
 Each part of the inputs (cluster/plan_sources.py) is planned by a Ray task on a node that holds
 them (`planners` parts at a time; 0: in this process); results are consumed in part order, so
-the plan is the same whatever the parallelism. `source_hashes(data)` and
+the plan is the same whatever the parallelism. A part's images go from its planning task
+straight into the store (`images_to`), before its result is returned: only the rows reach the
+driver, and every image is stored before a row naming it is added. `source_hashes(data)` and
 `chat_template_text(data, model_path)` give what a resume compares, without planning.
 
 Nothing here raises for a bad row: every row is accepted or rejected with a reason, in input
@@ -18,9 +22,10 @@ Inputs, sample ids, loss masks and every reject reason: docs/design/planning.md.
 from __future__ import annotations
 
 import functools
+import json
 import logging
 from collections import deque
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from itertools import islice
 from pathlib import Path
@@ -41,7 +46,8 @@ from cluster.plan_sources import (
     source_hashes,
     split_parts,
 )
-from hsx_store.images import SampleImage
+from hsx_store.images import ImageBlobs, SampleImage
+from hsx_store.location import open_location
 
 __all__ = [
     "PartEnd",
@@ -71,8 +77,8 @@ class Sample:
     prompt: dict[str, Any] | None = None
     # An M-RoPE model's (`Encoder.position_ids`): [P, 3] int32, for every sample
     position_ids: np.ndarray | None = None
-    images: tuple[SampleImage, ...] = ()  # its image spans, in prompt order
-    image_bytes: Mapping[str, bytes] = field(default_factory=dict)  # digest -> encoded image
+    images: tuple[SampleImage, ...] = ()  # its image spans, in prompt order (the images:
+    # in the store already, or, planned without `images_to`, nowhere)
 
 
 @dataclass(frozen=True)
@@ -100,7 +106,6 @@ class Plan:
     # per accepted sample, as its Sample holds them
     position_ids: list[np.ndarray | None] = field(default_factory=list)
     images: list[tuple[SampleImage, ...]] = field(default_factory=list)
-    image_bytes: dict[str, bytes] = field(default_factory=dict)  # every image, once
 
     @property
     def total_tokens(self) -> int:
@@ -120,11 +125,10 @@ class PartResult:
     # generating: each accepted row's {"prompt": messages or text, "segments": lengths}
     prompts: list[dict[str, Any]] = field(default_factory=list)
     # Rows with images, by their index among the accepted: M-RoPE positions [P, 3] (an M-RoPE
-    # model's other rows get three aranges on arrival), image spans; and each distinct image
-    # of the part once (digest -> encoded bytes).
+    # model's other rows get three aranges on arrival), image spans (the images themselves
+    # were put into the store by the task).
     positions: dict[int, np.ndarray] = field(default_factory=dict)
     images: dict[int, tuple[SampleImage, ...]] = field(default_factory=dict)
-    image_bytes: dict[str, bytes] = field(default_factory=dict)
 
 
 @functools.lru_cache(maxsize=4)
@@ -137,21 +141,37 @@ def _encoder(
     return Encoder.load(data, model_path, trust_remote_code, generate)
 
 
+@functools.lru_cache(maxsize=4)
+def _image_blobs(url: str, options_json: str) -> ImageBlobs:
+    """One per planning process and store: an object store's client is made once."""
+    return ImageBlobs(open_location(url, json.loads(options_json)))
+
+
 def plan_part(
     part: Part,
     data_json: str,
     model_path: str,
     trust_remote_code: bool,
     generate_json: str | None = None,
+    images_to: tuple[str, dict[str, Any]] | None = None,
+    image_dir: str | None = None,
 ) -> PartResult:
-    """Read, check and encode one part (a Ray task, or called in-process)."""
+    """Read, check and encode one part (a Ray task, or called in-process). Each accepted
+    row's images are put into the store at `images_to` (its URL and storage options; None:
+    nowhere) before this returns. Relative image paths are read from `image_dir` (default: the
+    folder of the input as `data.paths` names it, from this process's directory)."""
     data = DataConfig.model_validate_json(data_json)
     encoder = _encoder(data_json, model_path, trust_remote_code, generate_json)
     raw, numbers = read_part(part, data)
     result = PartResult(numbers)
     ids: list[np.ndarray] = []
     masks: list[np.ndarray] = []
-    images = encoder.image_sources(part.path.parent)  # image paths: the input's folder's
+    keep_in = None
+    if images_to is not None and encoder.vision is not None:  # a text model has no images
+        url, options = images_to
+        keep_in = _image_blobs(url, json.dumps(options or {}, sort_keys=True, default=str))
+    folder = Path(image_dir) if image_dir else input_folder(data.paths[part.source])
+    images = encoder.image_sources(folder, keep_in)
     while chunk := list(islice(raw, BATCH_ROWS)):
         rows = [parse_row(value, reason, data) for _, value, reason in chunk]
         encoded_rows = encoder.encode(rows, images)
@@ -174,13 +194,17 @@ def plan_part(
 
 
 def _add_images(result: PartResult, row: ExpandedRow) -> None:
-    """A row with images, the next accepted one of `result`: its positions, spans, bytes."""
+    """A row with images, the next accepted one of `result`: its positions and spans."""
     k = len(result.lengths)
     result.images[k] = row.images
     if row.position_ids is not None:
         result.positions[k] = row.position_ids
-    for digest, data in row.image_bytes.items():
-        result.image_bytes.setdefault(digest, data)
+
+
+def input_folder(path: str) -> Path:
+    """The folder an input's relative image paths are read from: its own, as the user named
+    it (symlinks not resolved: a hub snapshot's files are links into its blobs/), absolute."""
+    return Path(path).absolute().parent
 
 
 class PlanStream:
@@ -191,7 +215,9 @@ class PlanStream:
     `planners`: 0 plans in this process, one part at a time; otherwise parts are planned as Ray
     tasks, that many at once (None: one per CPU of those nodes), on the nodes that hold every
     input at its path (found first; `nodes` lists them), round robin. `generate`: each Sample
-    is a prompt to generate from (its `prompt`, its tokens, a mask of zeros)."""
+    is a prompt to generate from (its `prompt`, its tokens, a mask of zeros). `images_to`:
+    the store (URL, storage options) each planning task puts its part's images into before it
+    returns (hsx_store/images.py); None: nowhere (a dry run, a plan in memory)."""
 
     def __init__(
         self,
@@ -200,6 +226,7 @@ class PlanStream:
         trust_remote_code: bool = False,
         planners: int | None = 0,
         generate: GenerateConfig | None = None,
+        images_to: tuple[str, dict[str, Any]] | None = None,
     ) -> None:
         self.data, self.planners = data, planners
         self._args = (
@@ -208,6 +235,9 @@ class PlanStream:
             trust_remote_code,
             generate.model_dump_json() if generate else None,
         )
+        self._images_to = None if images_to is None else (str(images_to[0]), images_to[1] or {})
+        # Here, not in a task: a relative path is this process's directory's.
+        self._image_dirs = [str(input_folder(p)) for p in data.paths]
         self._sources = [resolve_source(p, data.format) for p in data.paths]
         self._names = source_names([src.path for src in self._sources])
         encoder = _encoder(*self._args)  # fails here, not in a task, for a bad model/template
@@ -275,7 +305,6 @@ class PlanStream:
         """The accepted row `k` of a part's result, its tokens at `tokens`."""
         if not result.images and self.encoder.position_ids is None:  # a text job's
             return Sample(sample_id, result.input_ids[tokens], result.loss_mask[tokens], prompt)
-        images = result.images.get(k, ())
         positions = result.positions.get(k)
         if positions is None and self.encoder.position_ids == MROPE:
             positions = text_positions(tokens.stop - tokens.start)
@@ -285,15 +314,18 @@ class PlanStream:
             result.loss_mask[tokens],
             prompt,
             positions,
-            images,
-            {image.digest: result.image_bytes[image.digest] for image in images},
+            result.images.get(k, ()),
         )
+
+    def _part_args(self, part: Part) -> tuple[Any, ...]:
+        """plan_part's arguments for `part`."""
+        return (part, *self._args, self._images_to, self._image_dirs[part.source])
 
     def _results(self) -> Iterator[tuple[Part, PartResult]]:
         """Each part's result, in part order, with at most `planners` parts in flight."""
         if self.planners == 0:
             for part in self.parts:
-                yield part, plan_part(part, *self._args)
+                yield part, plan_part(*self._part_args(part))
             return
         import ray
         from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
@@ -307,7 +339,8 @@ class PlanStream:
         window: deque[tuple[Part, Any]] = deque()
         for k, part in enumerate(self.parts):
             node = NodeAffinitySchedulingStrategy(self.nodes[k % len(self.nodes)], soft=False)
-            window.append((part, task.options(scheduling_strategy=node).remote(part, *self._args)))
+            ref = task.options(scheduling_strategy=node).remote(*self._part_args(part))
+            window.append((part, ref))
             if len(window) >= at_once:
                 yield _get(*window.popleft())
         while window:
@@ -378,10 +411,10 @@ def build_plan(
     trust_remote_code: bool = False,
     planners: int | None = 0,
 ) -> Plan:
-    """The whole plan in memory (tests, tools, small jobs; the driver streams instead)."""
+    """The whole plan in memory (tests, tools, small jobs; the driver streams instead). Its
+    images are read and checked, and stored nowhere."""
     stream = PlanStream(data, model_path, trust_remote_code, planners)
     ids, input_ids, masks, rejected, positions, images = [], [], [], [], [], []
-    image_bytes: dict[str, bytes] = {}
     for item in stream:
         if isinstance(item, Reject):
             rejected.append(item.to_json())
@@ -391,7 +424,6 @@ def build_plan(
             masks.append(item.loss_mask)
             positions.append(item.position_ids)
             images.append(item.images)
-            image_bytes.update(item.image_bytes)
     sources = [{**src, "sha256": sha256_source(Path(src["path"]))} for src in stream.sources]
     return Plan(
         ids,
@@ -402,5 +434,4 @@ def build_plan(
         stream.chat_template,
         positions,
         images,
-        image_bytes,
     )

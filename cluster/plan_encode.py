@@ -2,8 +2,9 @@
 
     encoder = Encoder.load(data, model_path, trust_remote_code)
     rows = [parse_row(row, reason, data) for row, reason in raw]
-    results = encoder.encode(rows, encoder.image_sources(base_dir))  # image paths: base_dir's
-    # each (ids, mask), or an ExpandedRow for a row with images (cluster/images.py), or a reason
+    results = encoder.encode(rows, encoder.image_sources(base_dir, keep_in))  # paths: base_dir's
+    # each (ids, mask), or an ExpandedRow for a row with images (cluster/images.py), or a reason;
+    # an accepted row's images put into `keep_in` (an ImageBlobs, or None) as it is encoded
 
 The rules and every reject reason: docs/design/planning.md. Nothing here raises for a bad
 row; PlanError is only for the model or the template file as a whole.
@@ -39,6 +40,7 @@ from cluster.loss_mask import (
     token_mask_by_prefix,
 )
 from cluster.plan_sources import PlanError
+from hsx_store.images import ImageBlobs
 
 NO_TEMPLATE = "the model has no chat template; set data.chat_template"
 NO_ASSISTANT = "no assistant turn to train on"
@@ -46,6 +48,10 @@ NO_MASKED_TOKENS = "the chat template marks no assistant tokens"
 NOTHING_TO_ANSWER = "nothing for the model to answer: {what}"
 UNRENDERED = "the chat template does not render {what} (it has no tool support)"
 GENERATE_IMAGES = "generate: rows with images are not supported yet"
+# A row's own text holding the image token would give the model an image token without an
+# image: its forward fails on the count of image tokens and image features.
+IMAGE_TOKEN_AS_TEXT = "{where} holds the image token {token} as text (only an image part may)"
+STRAY_IMAGE_TOKEN = "the rendered row holds the image token {token} (id {id}) without an image"
 _TO_WRITE = {"role": "assistant", "content": None}  # a turn the model writes, all of it anew
 # The same test transformers uses to decide whether a template can return an assistant mask.
 _GENERATION_TAG = re.compile(r"\{%-?\s*generation\s*-?%\}")
@@ -270,10 +276,17 @@ class Encoder:
             vision = Vision(model_path, trust_remote_code, image_token_id, position_ids)
         return cls(tokenizer, template, data, vocab, generate, vision, position_ids)
 
-    def image_sources(self, base_dir: Path) -> ImageSources:
+    def image_sources(self, base_dir: Path, keep_in: ImageBlobs | None = None) -> ImageSources:
         """Where image parts are read from: paths relative to `base_dir` (the input's
-        folder), object storage with data.image_storage_options."""
-        return ImageSources(base_dir, *self._image_options)
+        folder), object storage with data.image_storage_options; and where an accepted row's
+        images are put (`keep_in`: the store's; None: nowhere)."""
+        return ImageSources(base_dir, *self._image_options, keep_in=keep_in)
+
+    @functools.cached_property
+    def image_token(self) -> str:
+        """The image token as text (`<|image_pad|>`), as reasons name it."""
+        assert self.vision is not None
+        return str(self.tok.convert_ids_to_tokens(self.vision.image_token_id))
 
     def encode(
         self, rows: list[Row], images: ImageSources | None = None
@@ -284,17 +297,22 @@ class Encoder:
         answers, with a mask of zeros."""
         if self.generate is not None:
             return [
-                r.reason or (r.images and GENERATE_IMAGES) or self._encode_prompt(r) for r in rows
+                r.reason
+                or (r.images and GENERATE_IMAGES)
+                or self._image_token_as_text(r)
+                or self._without_stray_image_token(self._encode_prompt(r))
+                for r in rows
             ]
         # "": filled in below
         results: list[Any] = [
             r.reason
             or (r.images and self._unrendered_image(r))
+            or self._image_token_as_text(r)
             or self._unrendered(r.messages, r.tools)
             or ""
             for r in rows
         ]
-        texts = [i for i, r in enumerate(rows) if r.text is not None]
+        texts = [i for i, r in enumerate(rows) if r.text is not None and not results[i]]
         chats = [i for i, r in enumerate(rows) if r.messages is not None and not results[i]]
         if texts:
             ids = self.tok([rows[i].text for i in texts], add_special_tokens=True)["input_ids"]
@@ -305,13 +323,46 @@ class Encoder:
             results[i] = result
         checked = [r if isinstance(r, str) else self._check(*r) for r in results]
         for i, row in enumerate(rows):
-            if row.images and not isinstance(checked[i], str):
-                if images is None:
-                    images = self.image_sources(Path.cwd())
-                checked[i] = self._with_images(row, checked[i], images)
+            if isinstance(checked[i], str) or self.vision is None:
+                continue
+            if not row.images:
+                checked[i] = self._without_stray_image_token(checked[i])
+                continue
+            if images is None:
+                images = self.image_sources(Path.cwd())
+            checked[i] = self._with_images(row, checked[i], images)
         return checked
 
     # -- images ------------------------------------------------------------------------------
+
+    def _image_token_as_text(self, row: Row) -> str | None:
+        """Where a row's own text (a text row's, a message's content or text part) holds the
+        image token; None for a model without one."""
+        if self.vision is None or row.reason is not None:
+            return None
+        token = self.image_token
+        if row.text is not None:
+            return (
+                IMAGE_TOKEN_AS_TEXT.format(where="text", token=token) if token in row.text else None
+            )
+        for k, message in enumerate(row.messages or []):
+            content = message.get("content")
+            where = f"{row.messages_field}[{k}].content"
+            if isinstance(content, str) and token in content:
+                return IMAGE_TOKEN_AS_TEXT.format(where=where, token=token)
+            for j, part in enumerate(content if isinstance(content, list) else []):
+                if isinstance(part.get("text"), str) and token in part["text"]:
+                    return IMAGE_TOKEN_AS_TEXT.format(where=f"{where}[{j}]", token=token)
+        return None
+
+    def _without_stray_image_token(self, encoded: Any) -> Any:
+        """A row without images as encoded, or the reason it is refused where its tokens hold
+        the image token (rendered from elsewhere than its text: a tool call, the template)."""
+        if self.vision is None or isinstance(encoded, str):
+            return encoded
+        if (np.asarray(encoded[0]) == self.vision.image_token_id).any():
+            return STRAY_IMAGE_TOKEN.format(token=self.image_token, id=self.vision.image_token_id)
+        return encoded
 
     def _unrendered_image(self, row: Row) -> str | None:
         if self.vision is None:
@@ -342,6 +393,7 @@ class Encoder:
             return f"{len(expanded.input_ids)} tokens > max_length {self.max_length}"
         if not expanded.loss_mask.any():
             return NO_MASKED_TOKENS
+        images.keep(read)  # accepted: into the store now, before the driver adds its rows
         return expanded
 
     # -- prompts to generate from ------------------------------------------------------------

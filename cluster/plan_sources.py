@@ -57,11 +57,12 @@ def resolve_source(path_str: str, fmt: str) -> Source:
     if not path.exists():
         raise PlanError(f"input path {path_str} does not exist")
     if fmt == "auto":
+        suffix = Path(path_str).suffix.lower()  # as named: a hub snapshot's link has one
         if path.is_dir():
             fmt = "hf"
-        elif path.suffix.lower() in (".jsonl", ".json"):
+        elif suffix in (".jsonl", ".json"):
             fmt = "jsonl"
-        elif path.suffix.lower() == ".parquet":
+        elif suffix == ".parquet":
             fmt = "parquet"
         else:
             raise PlanError(

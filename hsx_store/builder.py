@@ -12,9 +12,10 @@ arrays grow ahead in doubling steps (metadata only); `finish` writes `planned` l
 digest. `create_store` plans a store from a whole plan in memory at once (tests, benchmarks).
 
 A store of images (manifest `image_token_id`) also gets its image table rows with the shards'
-plan rows, each image put under `images/` (hsx_store/images.py) as its sample is added, so
-before any row naming it is visible; an M-RoPE store (`position_ids` "mrope") its rows'
-`position_ids`. The shard digest covers both.
+plan rows; the images themselves are put under `images/` (hsx_store/images.py) by whoever
+plans them before their samples are added (cluster/plan.py: the planning task of their part),
+so before any row naming them is visible. An M-RoPE store (`position_ids` "mrope") gets its
+rows' `position_ids`. The shard digest covers both.
 
 The order of the writes, and why every state a reader sees is consistent: docs/store-format.md.
 """
@@ -46,7 +47,7 @@ from hsx_store.format import (
     plan_digest,
     stored_arrays,
 )
-from hsx_store.images import ImageBlobs, SampleImage, check_digest
+from hsx_store.images import ImageBlobs, SampleImage, check_digest, stray_image_token
 from hsx_store.location import StoreAccessError, describe_failure, first_key, open_location
 
 FLUSH_SHARDS = 64  # shards written together (one call per array); the caller flushes sooner
@@ -79,8 +80,6 @@ class StoreBuilder:
         # `done_shards` come again and are checked.
         self._next_sample = self._next_token = self._shards = 0
         self._images = 0  # image table rows of the shards flushed (or checked) so far
-        self._blobs = ImageBlobs(store) if self.m.has_images else None
-        self._put: set[str] = set()  # the images this builder put
 
     # -- creation ---------------------------------------------------------------------------
 
@@ -176,19 +175,16 @@ class StoreBuilder:
         loss_mask: np.ndarray,
         position_ids: np.ndarray | None = None,
         images: Sequence[SampleImage] = (),
-        image_bytes: Mapping[str, bytes] = {},  # read only
     ) -> list[Shard]:
         """Append one planned sample; returns the shards this made visible (often none).
         `position_ids` [P, 3]: each row's M-RoPE positions (an M-RoPE store's samples, all of
         them). `images`: the sample's image spans in prompt order, each on image tokens with
-        loss mask 0; `image_bytes`: digest -> encoded bytes of those this builder has not put
-        yet (they are put now, before any row naming them is visible)."""
+        loss mask 0, and no image token outside them; each image already in the store
+        (ImageBlobs.put)."""
         if len(loss_mask) != len(input_ids) or not 0 < len(input_ids) <= self.m.max_length:
             raise ValueError(f"sample {sample_id!r}: bad length or loss mask length")
         positions = self._checked_positions(sample_id, len(input_ids), position_ids)
         spans = self._checked_images(sample_id, input_ids, loss_mask, images)
-        for image in spans:
-            self._put_image(sample_id, image.digest, image_bytes)
         self._pending.append(_Planned(sample_id, input_ids, loss_mask, positions, spans))
         if len(self._pending) == self.m.samples_per_shard:
             self._close_shard()
@@ -298,15 +294,16 @@ class StoreBuilder:
         images: Sequence[SampleImage],
     ) -> tuple[SampleImage, ...]:
         """The sample's images as plain ints, each span inside the sample after the one
-        before it, all on image tokens with loss mask 0; refused otherwise."""
-        if not images:
-            return ()
+        before it, all on image tokens with loss mask 0, and no image token outside every
+        span (the model would meet an image token without an image); refused otherwise."""
         token = self.m.image_token_id
         if token is None:
-            raise ValueError(
-                f"sample {sample_id!r}: images given, but the store holds none (manifest "
-                "image_token_id is None)"
-            )
+            if images:
+                raise ValueError(
+                    f"sample {sample_id!r}: images given, but the store holds none (manifest "
+                    "image_token_id is None)"
+                )
+            return ()
         checked, after = [], 0
         for n, image in enumerate(images):
             start, length = int(image.start), int(image.length)
@@ -330,17 +327,9 @@ class StoreBuilder:
                 raise ValueError(f"{where}: loss mask 1 on an image token")
             checked.append(SampleImage(image.digest, start, length, grid))  # type: ignore[arg-type]
             after = start + length
+        if stray := stray_image_token(np.asarray(input_ids), checked, token):
+            raise ValueError(f"sample {sample_id!r}: {stray}")
         return tuple(checked)
-
-    def _put_image(self, sample_id: str, digest: str, image_bytes: Mapping[str, bytes]) -> None:
-        """Image `digest` into the store, once per builder."""
-        if digest in self._put:
-            return
-        if digest not in image_bytes:
-            raise ValueError(f"sample {sample_id!r}: image {digest}: no bytes given for it")
-        assert self._blobs is not None
-        self._blobs.put(digest, image_bytes[digest])
-        self._put.add(digest)
 
     def _write_images(self, first: int, table: list[tuple[int, SampleImage]]) -> None:
         """Image table rows first, first + 1, ...: (store sample index, image) each."""
@@ -428,19 +417,21 @@ def create_store(
     `StoreBuilder`). `job`: what the plan was made from, kept for resume checks. Fails if
     something already exists there, unless `overwrite`. An image store's samples: their
     `position_ids` and `images` (one entry per sample, as `StoreBuilder.add` takes them) and
-    every image's bytes by digest (`image_bytes`)."""
+    every image's bytes by digest (`image_bytes`), put before the first sample is added."""
     n = len(sample_ids)
     if not n == len(input_ids) == len(loss_masks):
         raise ValueError("sample_ids, input_ids and loss_masks differ in length")
     if any(per is not None and len(per) != n for per in (position_ids, images)):
         raise ValueError("position_ids / images must hold one entry per sample")
     builder = StoreBuilder.create(url, manifest, job, overwrite, storage_options)
+    blobs = ImageBlobs(builder.store)
+    for digest, data in (image_bytes or {}).items():
+        blobs.put(digest, data)
     for i, sample in enumerate(zip(sample_ids, input_ids, loss_masks, strict=True)):
         builder.add(
             *sample,
             position_ids=None if position_ids is None else position_ids[i],
             images=() if images is None else images[i],
-            image_bytes=image_bytes or {},
         )
     builder.finish(rejected)
     return builder.store

@@ -568,6 +568,11 @@ class Store:
         text = str(self.group["shard_summary"][k])
         return json.loads(text) if text else None
 
+    @property
+    def holds_images(self) -> bool:
+        """Some sample holds an image (a text plan on an image model holds none)."""
+        return self.manifest.has_images and self.array("image_sample").shape[0] > 0
+
     def sample_images(self, begin: int, end: int) -> dict[int, list[SampleImage]]:
         """The images of samples [begin, end) (planned ones), by sample index, each sample's in
         prompt order; samples without images are left out, and a store without images has

@@ -1,7 +1,7 @@
 """The images of an image store: each sample's spans, and the encoded images themselves.
 
     image = SampleImage(digest, start, length, grid_thw)    # one span of a sample
-    blobs = ImageBlobs(store)
+    blobs = ImageBlobs(store)          # or ImageBlobs(open_location(url, storage_options))
     blobs.put(image_digest(data), data)                      # once; skipped when present
     data = blobs.get(digest)                                 # checked against its digest
 
@@ -9,16 +9,16 @@ An image is kept once, as the bytes it was read as (PNG, JPEG, ...), under `imag
 beside the Zarr arrays (zarr ignores keys that are no node of its hierarchy), its digest the
 sha256 of those bytes: content-addressed, so a put is idempotent and a get proves what it read.
 The store's image table (`image_*` arrays: docs/store-format.md) says which sample holds which
-image where. Local files are private (0600), written whole (a temporary renamed over the key);
-on object storage a put only creates (If-None-Match on S3).
+image where. The planning task of a part puts its images (cluster/plan.py) before the driver
+adds the rows naming them. A put writes through the store's own location, as its chunks are
+(a local file written whole: a temporary renamed over the key); on object storage it only
+creates (If-None-Match on S3).
 """
 
 from __future__ import annotations
 
 import hashlib
-import os
 import re
-import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -26,6 +26,7 @@ from typing import Protocol
 
 import numpy as np
 import zarr
+from zarr.abc.store import Store as ZarrStore
 from zarr.core.buffer import default_buffer_prototype
 from zarr.core.buffer.cpu import Buffer
 from zarr.core.sync import sync
@@ -65,11 +66,17 @@ class _OpenStore(Protocol):  # hsx_store/format.py's Store (which builds on this
 
 class ImageBlobs:
     """The encoded images under `images/` of a store's location (a local directory, or object
-    storage), as the store is."""
+    storage), as the store is. `store`: an open store, or its location as
+    hsx_store.location.open_location gives it (a local path, or a zarr store): a planning
+    process puts images without opening the store."""
 
-    def __init__(self, store: _OpenStore) -> None:
-        self.location = store.group.store
-        self.root = Path(self.location.root) if isinstance(self.location, LocalStore) else None
+    def __init__(self, store: _OpenStore | ZarrStore | str | Path) -> None:
+        if isinstance(store, str | Path):
+            self.location: ZarrStore = LocalStore(str(store))
+        elif isinstance(store, ZarrStore):
+            self.location = store
+        else:
+            self.location = store.group.store
 
     def put(self, digest: str, data: bytes) -> None:
         """Keep `data` as image `digest` (refused unless it is its sha256); nothing to do
@@ -77,26 +84,16 @@ class ImageBlobs:
         key = _key(digest)
         if image_digest(data) != digest:
             raise ValueError(f"image {digest}: the bytes given have sha256 {image_digest(data)}")
-        if self.root is not None:
-            path = self.root / key
-            if not path.exists():
-                _write_private(path, data)
-        elif not sync(self.location.exists(key)):  # a HEAD saves re-sending the bytes
+        if not sync(self.location.exists(key)):  # a HEAD saves re-sending the bytes
             sync(self.location.set_if_not_exists(key, Buffer.from_bytes(data)))
 
     def get(self, digest: str) -> bytes:
         """Image `digest`'s bytes; StoreFormatError naming it if missing or not those bytes."""
         key = _key(digest)
-        if self.root is not None:
-            try:
-                data = (self.root / key).read_bytes()
-            except FileNotFoundError:
-                data = None
-        else:
-            buf = sync(self.location.get(key, prototype=default_buffer_prototype()))
-            data = None if buf is None else buf.to_bytes()
-        if data is None:
+        buf = sync(self.location.get(key, prototype=default_buffer_prototype()))
+        if buf is None:
             raise StoreFormatError(f"{self.location}: image {digest} is missing ({key})")
+        data = buf.to_bytes()
         if (found := image_digest(data)) != digest:
             raise StoreFormatError(
                 f"{self.location}: image {digest} is damaged: its bytes have sha256 {found}"
@@ -106,24 +103,6 @@ class ImageBlobs:
 
 def _key(digest: str) -> str:
     return f"{PREFIX}/{check_digest(digest)}"
-
-
-def _write_private(path: Path, data: bytes) -> None:
-    """`data` as the file at `path`, mode 0600, whole or not at all (a temporary renamed)."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex}.partial")
-    try:
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-        try:
-            view = memoryview(data)
-            while view.nbytes:  # a short write: resume where it stopped
-                view = view[os.write(fd, view) :]
-        finally:
-            os.close(fd)
-        os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
 
 
 def collapse(
@@ -139,3 +118,20 @@ def collapse(
         out.append(image_token_id)
         at = image.start + image.length
     return out + ids[at:]
+
+
+def stray_image_token(
+    input_ids: np.ndarray, images: Sequence[SampleImage], image_token_id: int
+) -> str | None:
+    """What is wrong where a sample's ids hold the image token outside every image span (the
+    model would meet an image token without an image); None where none does."""
+    stray = np.asarray(input_ids) == image_token_id
+    for image in images:
+        stray[max(image.start, 0) : max(image.start + image.length, 0)] = False
+    if not stray.any():
+        return None
+    rows = np.flatnonzero(stray)
+    return (
+        f"{rows.size} image tokens ({image_token_id}) outside every image span "
+        f"(first: row {int(rows[0])})"
+    )

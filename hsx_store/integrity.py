@@ -43,7 +43,7 @@ from hsx_store.format import (
     stored_arrays,
 )
 from hsx_store.fp8 import FP8_DTYPE, scale_name
-from hsx_store.images import ImageBlobs, SampleImage
+from hsx_store.images import ImageBlobs, SampleImage, stray_image_token
 from hsx_store.integrity_report import CHECKS, VerifyReport
 from hsx_store.location import StoreAccessError, describe_failure
 from hsx_store.row_scan import BLOCK_BYTES, fp8_row_flags, row_bytes, row_flags, stored_chunk_rows
@@ -530,7 +530,9 @@ class _Verifier:
     def check_images(self) -> str | None:
         """An image store's table: rows in sample order, each span inside its sample, after
         the sample's image before it, on image tokens with loss mask 0, its grid 3 counts;
-        every image named there stored under its digest. Each finding names the sample."""
+        every image named there stored under its digest; no image token outside every span
+        of its sample (text holding the token: the model would meet it without an image).
+        Each finding names the sample."""
         if not self.m.has_images:
             return None  # a text store: no image to check
         unusable = {*image_arrays(self.m), "input_ids", "loss_mask"} & self.bad_arrays
@@ -548,16 +550,21 @@ class _Verifier:
             return None
         blobs, table = ImageBlobs(self.store), self.image_table()
         stored: dict[str, str | None] = {}  # digest -> what is wrong with its blob, if anything
+        token = self.m.image_token_id
+        assert token is not None
         for sh in self.store.shards:
-            held = [i for i in range(sh.sample_begin, sh.sample_end) if i in table]
-            if not held:
-                continue
             rows = slice(sh.token_begin, sh.token_end)  # the shard's plan rows, read once
-            ids, mask = np.asarray(self.g["input_ids"][rows]), np.asarray(self.g["loss_mask"][rows])
-            for i in held:
+            ids = np.asarray(self.g["input_ids"][rows])
+            held = [i for i in range(sh.sample_begin, sh.sample_end) if i in table]
+            if not held and not (ids == token).any():
+                continue  # neither an image nor an image token to check
+            mask = np.asarray(self.g["loss_mask"][rows])
+            for i in range(sh.sample_begin, sh.sample_end):
                 at = self.store.sample_rows(i)
                 local = slice(at.start - sh.token_begin, at.stop - sh.token_begin)
-                for n, im in enumerate(table[i]):
+                if stray := stray_image_token(ids[local], table.get(i, []), token):
+                    self.report.error("images", f"sample {self.name(i)}: {stray}")
+                for n, im in enumerate(table.get(i, [])):
                     where = (
                         f"sample {self.name(i)}: image {n} (rows {im.start}.."
                         f"{im.start + im.length - 1} of the sample)"

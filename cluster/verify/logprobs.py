@@ -218,9 +218,9 @@ class LogprobCheck(ModelCheck):
         if self.store.manifest.dtype not in TOLERANCE:
             measured = " and ".join(TOLERANCE)
             return f"its bounds are measured for {measured} stores, not {self.store.manifest.dtype}"
-        if self.store.manifest.image_token_id is not None:
+        if self.store.holds_images:
             # An image's rows carry SGLang's pad values as token ids: no prompt logprob there.
-            return "it is not defined for an image model's store (use --recompute)"
+            return "it is not defined at image rows, and the store holds images (use --recompute)"
         return None
 
     def model_problems(self) -> list[str]:

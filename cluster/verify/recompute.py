@@ -131,6 +131,15 @@ class RecomputeCheck(ModelCheck):
         finally:
             release_dump(response.dump_path)
 
+    def context(self, i: int) -> np.ndarray:
+        """What sample i's rows depend on, row by row: its token ids, with an image's rows
+        told apart by the image (the same question about two images differs there)."""
+        sample = self.planned(i)
+        ids = sample.input_ids.astype(np.int64)
+        for image in sample.images:
+            ids[image.start : image.start + image.length] = -1 - int(image.digest[:15], 16)
+        return ids
+
     def planned(self, i: int) -> PlannedSample:
         """Sample i as the job sent it: its images resent with it."""
         return planned_sample(self.store, i, self._image_urls)
@@ -223,7 +232,7 @@ class RecomputeCheck(ModelCheck):
     def cross_check(self, alone: dict[int, Rows], results: dict[int, dict[str, Any]]) -> None:
         """Each sample's stored rows far closer to its own recompute than to any other's, on the
         rows where their prompts differ; the nearest other sample is named."""
-        ids = {i: self.input_ids(i) for i in alone}
+        ids = {i: self.context(i) for i in alone}
         for i, result in results.items():
             stored = self.stored(i)
             for name in self.arrays:

@@ -148,7 +148,8 @@ def refuse_images(url: str, store: Store, fmt: str) -> None:
     the image placeholders only), so a drafter would train on image rows whose states came
     from images it never sees. A text plan on a vision model (no image in its table; its
     M-RoPE positions three equal aranges, the plain ones) exports as any text store."""
-    if store.manifest.has_images and (images := store.array("image_sample").shape[0]):
+    if store.holds_images:
+        images = store.array("image_sample").shape[0]
         raise ExportError(
             f"{url} is a store of images ({images} in its samples): the {fmt} format has no "
             "place for images (SpecForge's offline data and speculators' datasets carry no "

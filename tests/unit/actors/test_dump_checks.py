@@ -118,7 +118,7 @@ def image_dump() -> tuple[dict[str, torch.Tensor], PlannedSample]:
         "aux_hidden_states": torch.zeros(8, NUM_AUX, H),
         "final_hidden_states": torch.zeros(8, H),
     }
-    return tensors, PlannedSample(planned, (image,), ("data:",), positions, 12)
+    return tensors, PlannedSample(planned, (image,), None, positions, 12)
 
 
 def check_image_dump(tensors: dict[str, torch.Tensor], sample: PlannedSample) -> None:

@@ -10,10 +10,13 @@ in-memory store (the path through a real S3 server is the integration tests').
 from __future__ import annotations
 
 import base64
+import copy
 import functools
 import hashlib
 import http.server
 import io
+import os
+import pickle
 import shutil
 import threading
 from collections.abc import Iterator
@@ -30,12 +33,17 @@ from pydantic import ValidationError
 
 from actors.config import GenerateConfig
 from cluster import images as images_mod
-from cluster.config import DataConfig
+from cluster import plan as plan_mod
+from cluster.config import DataConfig, parse_config
+from cluster.generation_feed import ResponsePlanner
 from cluster.images import MROPE, NO_IMAGE_TOKEN, ExpandedRow, Vision, vision_settings
+from cluster.job_store import open_or_create, plan_into
 from cluster.plan import PlanStream, Reject, Sample, build_plan, plan_part
-from cluster.plan_encode import GENERATE_IMAGES, Encoder, parse_row
+from cluster.plan_encode import GENERATE_IMAGES, STRAY_IMAGE_TOKEN, Encoder, parse_row
 from cluster.plan_sources import resolve_source, split_parts
-from hsx_store.images import SampleImage
+from hsx_store.images import ImageBlobs, SampleImage
+from hsx_store.integrity import verify_store
+from tests.helpers.jobs import job_config
 from tests.helpers.prompts import write_jsonl
 from tests.helpers.vl_reference import reference
 
@@ -229,11 +237,10 @@ def test_every_source_kind_and_part_shape_reads_the_same_image(
     ref = reference(qwen25_vl_path, hf_messages(row), [RED])
     assert result.input_ids.tolist() == ref.input_ids
     assert result.images == (SampleImage(sha(RED), *image_runs(ref.input_ids, 12)[0], (1, 4, 4)),)
-    assert result.image_bytes == {sha(RED): RED}
 
 
-def test_an_image_read_once_per_source_and_shared_by_digest(
-    qwen25_vl_path: Path, pics: Path, tmp_path: Path
+def test_the_planning_task_puts_each_distinct_image_once_and_ships_only_rows(
+    qwen25_vl_path: Path, pics: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     path = write_jsonl(
         tmp_path / "rows.jsonl",
@@ -246,20 +253,93 @@ def test_an_image_read_once_per_source_and_shared_by_digest(
     )
     data = DataConfig(paths=[str(path)], loss_mask="all")
     (part,) = split_parts([resolve_source(str(path), "auto")], data)
-    result = plan_part(part, data.model_dump_json(), str(qwen25_vl_path), False)
+    puts: list[str] = []
+    original = ImageBlobs.put
+    monkeypatch.setattr(
+        ImageBlobs, "put", lambda self, d, b: (puts.append(d), original(self, d, b))
+    )
+    store = tmp_path / "s.zarr"
+    result = plan_part(
+        part, data.model_dump_json(), str(qwen25_vl_path), False, None, (str(store), {})
+    )
     assert [reason for _, _, reason in result.rows] == [None] * 4
-    assert result.image_bytes == {sha(RED): RED, sha(WIDE): WIDE}  # one per distinct image
+    assert sorted(puts) == sorted([sha(RED), sha(WIDE)])  # in the store before it returned
+    assert sorted(os.listdir(store / "images")) == sorted(puts)
+    assert ImageBlobs(str(store)).get(sha(RED)) == RED and ImageBlobs(store).get(sha(WIDE)) == WIDE
     assert sorted(result.images) == [0, 1, 2] and sorted(result.positions) == [0, 1, 2]
-    samples = [s for s in PlanStream(data, qwen25_vl_path) if isinstance(s, Sample)]
+    shipped = pickle.dumps(result)  # what Ray carries to the driver: rows, not images
+    assert RED not in shipped and WIDE not in shipped
+
+    # Streamed: every image is in the store when the Sample naming it arrives.
+    other = tmp_path / "t.zarr"
+    samples = []
+    for item in PlanStream(data, qwen25_vl_path, images_to=(str(other), {})):
+        if isinstance(item, Sample):
+            assert all((other / "images" / im.digest).exists() for im in item.images)
+            samples.append(item)
     assert [s.images[0].digest if s.images else None for s in samples] == [
         sha(RED),
         sha(RED),
         sha(WIDE),
         None,
     ]
-    assert samples[0].image_bytes[sha(RED)] is samples[1].image_bytes[sha(RED)]
-    assert samples[3].image_bytes == {}
     assert samples[3].position_ids.tolist() == [[i] * 3 for i in range(len(samples[3].input_ids))]
+    # Without a store (a dry run, build_plan): nothing written anywhere.
+    puts.clear()
+    assert len(build_plan(data, qwen25_vl_path).images) == 4 and puts == []
+
+
+def test_image_sources_keep_a_bounded_number_of_reads(
+    pics: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    for k in range(images_mod.CACHED_SOURCES + 8):
+        shutil.copy(pics / "red.png", tmp_path / f"{k}.png")
+    sources = images_mod.ImageSources(tmp_path)
+    fetched: list[str] = []
+    fetch = sources._fetch
+    monkeypatch.setattr(
+        sources, "_fetch", lambda source: (fetched.append(source), fetch(source))[1]
+    )
+    for k in range(images_mod.CACHED_SOURCES + 8):
+        assert isinstance(sources.read(f"{k}.png"), images_mod.ReadImage)
+    assert len(sources._read) == images_mod.CACHED_SOURCES  # not the whole part's
+    last = f"{images_mod.CACHED_SOURCES + 7}.png"
+    sources.read(last)  # recent: not read again
+    sources.read("0.png")  # dropped long ago: read again
+    assert fetched[-1] == "0.png" and fetched.count(last) == 1 and fetched.count("0.png") == 2
+    # keep without a store writes nothing; with one, each digest once.
+    image = sources.read("1.png")
+    sources.keep([image])
+    assert not list(tmp_path.glob("**/images"))
+    kept = images_mod.ImageSources(tmp_path, keep_in=ImageBlobs(str(tmp_path / "s.zarr")))
+    kept.keep([image, image])
+    assert os.listdir(tmp_path / "s.zarr" / "images") == [image.digest]
+
+
+def test_relative_image_paths_are_the_folder_of_the_input_as_named_not_its_link_target(
+    qwen25_vl_path: Path, pics: Path, tmp_path: Path
+) -> None:
+    """A hub snapshot: snapshots/<rev>/rows.jsonl links to blobs/<hash>, its images beside the
+    link only."""
+    blobs, snapshot = tmp_path / "blobs", tmp_path / "snapshots" / "rev"
+    blobs.mkdir()
+    snapshot.mkdir(parents=True)
+    write_jsonl(blobs / "0123abcd", [{"id": "a", **image_row(url_part("red.png"))}])
+    (snapshot / "rows.jsonl").symlink_to(blobs / "0123abcd")
+    shutil.copy(pics / "red.png", snapshot / "red.png")
+    data = DataConfig(paths=[str(snapshot / "rows.jsonl")], format="jsonl")  # (see below)
+    (item, _) = list(PlanStream(data, qwen25_vl_path))
+    assert isinstance(item, Sample), item
+    assert item.images[0].digest == sha(RED)
+    # plan_part on its own (its default folder) reads the same; beside the target is nothing.
+    (part,) = split_parts([resolve_source(str(snapshot / "rows.jsonl"), "jsonl")], data)
+    assert part.path.parent == blobs  # the source is resolved: the folder must not be its
+    result = plan_part(part, data.model_dump_json(), str(qwen25_vl_path), False)
+    assert [reason for _, _, reason in result.rows] == [None]
+    wrong = plan_part(
+        part, data.model_dump_json(), str(qwen25_vl_path), False, image_dir=str(blobs)
+    )
+    assert "cannot read image file red.png" in str(wrong.rows[0][2])
 
 
 # -- the processor's expansion and HF's positions ------------------------------------------------
@@ -334,6 +414,16 @@ def twin(row: dict[str, Any], placeholder: str = PLACEHOLDER) -> dict[str, Any]:
     }
 
 
+def encode_twin(encoder: Encoder, twin_row: dict[str, Any], data: DataConfig = DATA) -> Any:
+    """A twin's (ids, mask), encoded as if the model took no images: its text holds the image
+    token, which a vision model's planner refuses (test_the_image_token_as_text_is_refused)."""
+    text_only = copy.copy(encoder)
+    text_only.vision = None
+    (result,) = encode(text_only, Path("."), twin_row, data=data)
+    assert not isinstance(result, str), result
+    return result
+
+
 def assert_mask_is_the_twins(result: ExpandedRow, twin_result: Any, token: int) -> None:
     """0 on every image token; elsewhere the text twin's mask, token for token."""
     ids, mask = result.input_ids, result.loss_mask
@@ -349,12 +439,12 @@ def test_loss_mask_zero_on_image_tokens_also_in_an_assistant_turn(
 ) -> None:
     row = image_row(url_part("red.png"), "what is it?")
     row["messages"][1]["content"] = [{"type": "text", "text": "this:"}, url_part("sub/wide.png")]
-    result, twin_result = encode(encoder, pics, row, twin(row))
+    (result,), twin_result = encode(encoder, pics, row), encode_twin(encoder, twin(row))
     assert_mask_is_the_twins(result, twin_result, 12)
     start, length = result.images[1].start, result.images[1].length
     assert result.loss_mask[start - 1] == 1 and result.loss_mask[start + length] == 1  # its turn's
     # A mask that kept the twin's 1 on the assistant's image token fails the check.
-    wrong = ExpandedRow(result.input_ids, result.loss_mask.copy(), None, (), {})
+    wrong = ExpandedRow(result.input_ids, result.loss_mask.copy(), None, ())
     wrong.loss_mask[start] = 1
     with pytest.raises(AssertionError):
         assert_mask_is_the_twins(wrong, twin_result, 12)
@@ -376,7 +466,8 @@ def test_generation_markers_and_adjacent_images(
         assert result.startswith("the model's get_rope_index failed: RuntimeError: shape")
         # ... and expanded where no positions are needed.
         encoder.vision = Vision(qwen25_vl_path, False, 12, None)
-    result, twin_result = encode(encoder, pics, row, twin(row, placeholder), data=data)
+    (result,) = encode(encoder, pics, row, data=data)
+    twin_result = encode_twin(encoder, twin(row, placeholder), data)
     processor = transformers.AutoProcessor.from_pretrained(qwen25_vl_path)
     text = encoder.tok.apply_chat_template(
         hf_messages(row), chat_template=template.read_text(), tokenize=False
@@ -409,10 +500,12 @@ def test_text_jobs_load_no_processor_and_plan_as_before(
     ]
     path = write_jsonl(tmp_path / "rows.jsonl", rows)
     data = DataConfig(paths=[str(path)])
-    stream = PlanStream(data, llama_path)
+    monkeypatch.setattr(plan_mod, "_image_blobs", refused)  # no store is ever opened
+    stream = PlanStream(data, llama_path, images_to=(str(tmp_path / "s.zarr"), {}))
     samples = [s for s in stream if isinstance(s, Sample)]
     assert stream.encoder.vision is None and stream.encoder.position_ids is None
-    assert [(s.position_ids, s.images, s.image_bytes) for s in samples] == [(None, (), {})] * 2
+    assert [(s.position_ids, s.images) for s in samples] == [(None, ())] * 2
+    assert not (tmp_path / "s.zarr").exists()
     tok = transformers.AutoTokenizer.from_pretrained(llama_path)
     assert samples[0].input_ids.tolist() == tok("the answer is 42.")["input_ids"]
     chat = tok.apply_chat_template(rows[1]["messages"], tokenize=True, return_dict=True)
@@ -599,3 +692,146 @@ def test_a_processor_that_tokenizes_otherwise_is_refused(
     # Without M-RoPE there are no positions to give.
     flat = Vision(qwen25_vl_path, False, 12, None)
     assert flat.expand(text, collapsed, mask, [image], [image.picture()]).position_ids is None
+
+
+def test_a_linked_input_gets_its_format_from_the_name_it_was_given(tmp_path: Path) -> None:
+    write_jsonl(tmp_path / "0123abcd", [{"text": "hi"}])
+    (tmp_path / "rows.jsonl").symlink_to(tmp_path / "0123abcd")
+    assert resolve_source(str(tmp_path / "rows.jsonl"), "auto").format == "jsonl"
+
+
+# -- the image token as text -------------------------------------------------------------------
+
+
+def chat(content: Any) -> dict[str, Any]:
+    return {
+        "messages": [{"role": "user", "content": content}, {"role": "assistant", "content": "ok"}]
+    }
+
+
+def test_the_image_token_as_text_is_refused(
+    encoder: Encoder, qwen25_vl_path: Path, llama_path: Path, pics: Path, tmp_path: Path
+) -> None:
+    as_text = f"holds the image token {IMAGE_TOKEN} as text (only an image part may)"
+    cases = [
+        ({"text": f"a {IMAGE_TOKEN} b"}, f"text {as_text}"),
+        (chat(f"look {IMAGE_TOKEN}"), f"messages[0].content {as_text}"),
+        (chat([{"type": "text", "text": PLACEHOLDER}]), f"messages[0].content[0] {as_text}"),
+        # Beside a real image: its count would still fit a template that renders none.
+        (image_row(url_part("red.png"), f"and {IMAGE_TOKEN}"), f"messages[0].content[1] {as_text}"),
+    ]
+    results = encode(encoder, pics, *(row for row, _ in cases))
+    assert results == [reason for _, reason in cases]
+    # The same rows without the token: accepted.
+    fine = encode(
+        encoder, pics, {"text": "a b"}, chat("look"), image_row(url_part("red.png"), "and")
+    )
+    assert not any(isinstance(result, str) for result in fine), fine
+    # A text model has no image token: the same text is only text.
+    (plain,) = encode(Encoder.load(DATA, llama_path, False), pics, cases[0][0])
+    assert not isinstance(plain, str)
+    # Rendered from elsewhere than the row's text: a template that writes the token itself.
+    template = tmp_path / "stray.jinja"
+    template.write_text("{% for m in messages %}{{ m['content'] }}{% endfor %}" + IMAGE_TOKEN)
+    data = DataConfig(paths=["x"], chat_template=str(template), loss_mask="all")
+    (stray,) = encode(Encoder.load(data, qwen25_vl_path, False), pics, chat("hi"), data=data)
+    assert stray == STRAY_IMAGE_TOKEN.format(token=IMAGE_TOKEN, id=12)
+    # A prompt to generate from: refused alike.
+    generating = Encoder.load(DATA, qwen25_vl_path, False, GenerateConfig(max_new_tokens=4))
+    assert encode(generating, pics, cases[0][0], {"text": "a b"})[0] == f"text {as_text}"
+
+
+def test_a_generated_response_holding_the_image_token_is_rejected() -> None:
+    raw = {"model": {"path": "m"}, "data": {"paths": ["p"]}, "store": {"url": "s"}}
+    planner = ResponsePlanner(parse_config({**raw, "generate": {}}), True, image_token_id=12)
+    record = {
+        "sample_id": "s",
+        "segments": [[1, 2]],
+        "turn_end": [9],
+        "turns": [{"output_ids": [5, 12, 9], "finish_reason": "stop", "text": ""}],
+    }
+    rejected = planner.sample(record)
+    assert rejected == Reject(
+        "s", "the response holds the image token (12) (turn 0), without an image"
+    )
+    record["turns"][0]["output_ids"] = [5, 6, 9]
+    assert isinstance(planner.sample(record), Sample)
+
+
+# -- URLs in reasons -----------------------------------------------------------------------------
+
+
+def test_a_url_is_named_without_its_query_string_or_userinfo(
+    encoder: Encoder, pics: Path, http_root: str
+) -> None:
+    import socket
+
+    secrets = ("AKIDSECRETCRED", "deadbeefsignature", "hunter22")
+    query = (
+        "X-Amz-Algorithm=AWS4-HMAC-SHA256&X-Amz-Credential=AKIDSECRETCRED%2F20260101"
+        "&X-Amz-Signature=deadbeefsignature"
+    )
+    host = http_root.removeprefix("http://")
+    sources = images_mod.ImageSources(pics, None, 2.0)
+    with socket.socket() as s:  # a port nobody listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    cases = {
+        f"http://user:hunter22@{host}/gone.png?{query}": (
+            f"cannot fetch image {http_root}/gone.png?...: HTTP 404"
+        ),
+        f"{http_root}/notes.txt?{query}#frag": (
+            f"{http_root}/notes.txt?... is not an image (PIL cannot identify its format)"
+        ),
+        f"http://127.0.0.1:{port}/red.png?{query}": (
+            f"cannot fetch image http://127.0.0.1:{port}/red.png?...: ConnectionError: "
+        ),
+    }
+    for url, reason in cases.items():
+        got = sources.read(url)
+        assert isinstance(got, str) and got.startswith(reason), got
+        assert not any(secret in got for secret in secrets), got
+    # As the plan's reject reason (the store's `rejected`, the logs) names it.
+    (result,) = encode(encoder, pics, image_row(url_part(next(iter(cases)))))
+    assert (
+        result == f"messages[0].content[0]: cannot fetch image {http_root}/gone.png?...: HTTP 404"
+    )
+    # A URL without a query is named whole.
+    assert (
+        sources.read(f"{http_root}/gone.png")
+        == f"cannot fetch image {http_root}/gone.png: HTTP 404"
+    )
+
+
+# -- into a job's store --------------------------------------------------------------------------
+
+
+def test_plan_into_a_jobs_store_puts_its_images_before_their_rows(
+    qwen25_vl_path: Path, pics: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    rows = [
+        {"id": "a", **image_row(url_part("red.png"), "one")},
+        {"id": "b", **image_row(url_part("sub/wide.png"), url_part("red.png"), "two")},
+        {"id": "c", "text": "plain text"},
+    ]
+    path = write_jsonl(pics / "job_rows.jsonl", rows)
+    raw = job_config(qwen25_vl_path, path, tmp_path / "s.zarr", tmp_path)
+    raw["model"]["aux_layer_ids"] = [0, 1, 2]  # 4 layers
+    config = parse_config(raw)
+    _, _, builder = open_or_create(config, say=lambda *_: None)
+    assert builder is not None
+    added = builder.add
+
+    def add(sample_id: str, *args: Any) -> Any:  # each image is there before its row is added
+        images = args[3] if len(args) > 3 else ()
+        assert all(ImageBlobs(builder.store).get(im.digest) for im in images)
+        return added(sample_id, *args)
+
+    monkeypatch.setattr(builder, "add", add)
+    plan_into(builder, config, 0, on_shards=lambda shards: None, say=lambda *_: None)
+    report = verify_store(tmp_path / "s.zarr", say=lambda _: None)
+    assert report.checks["images"] == "ran" and not [
+        f for f in report.findings if f.check in ("images", "plan")
+    ], report.format()
+    assert report.checked["image_blobs_checked"] == 2
+    assert sorted(os.listdir(tmp_path / "s.zarr" / "images")) == sorted([sha(RED), sha(WIDE)])

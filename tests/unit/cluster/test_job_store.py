@@ -202,3 +202,26 @@ def test_no_usable_samples_lists_each_kind_of_reason_commonest_first() -> None:
     assert str(no_usable_samples(many, "rows")).endswith(
         "\n  1 x, first 9: reason xxxxxxxxx\n  ... and 2 more, of 2 other kinds"
     )
+
+
+def test_a_store_made_before_images_is_not_extended_on_an_image_model(
+    qwen25_vl_path: Path, tmp_path: Path
+) -> None:
+    """A schema-5 store of a Qwen-VL model keeps no image table and no M-RoPE positions: a
+    resume is refused, saying so (a fresh store of the same job resumes)."""
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text('{"text": "no image here"}\n')
+    raw = job_config(qwen25_vl_path, prompts, tmp_path / "s.zarr", tmp_path)
+    raw["model"]["aux_layer_ids"] = [0, 1, 2]
+    open_or_create(parse_config(raw), say=lambda _: None)
+    _, resumed, _ = open_or_create(parse_config(raw), say=lambda _: None)
+    assert resumed
+
+    store = Store.open(tmp_path / "s.zarr", mode="r+")
+    manifest = store.manifest.to_json()
+    assert manifest["image_token_id"] == 12 and manifest["position_ids"] == "mrope"
+    for newer in ("image_token_id", "position_ids"):
+        del manifest[newer]
+    store.group.attrs["manifest"] = {**manifest, "schema_version": 5}
+    with pytest.raises(ResumeConflict, match="has store schema 5, made before images"):
+        open_or_create(parse_config(raw), say=lambda _: None)

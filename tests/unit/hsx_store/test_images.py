@@ -26,6 +26,7 @@ from hsx_store.export.run import export, read_exported
 from hsx_store.format import IMAGE_ARRAYS, Manifest, Store, StoreFormatError, plan_digest
 from hsx_store.images import ImageBlobs, SampleImage, collapse, image_digest
 from hsx_store.integrity import verify_store
+from hsx_store.location import open_location
 from hsx_store.reader import HiddenStatesDataset, HiddenStatesIterable
 from tests.helpers.synthetic import NUM_AUX, H, build_store, manifest, new_store, plan
 
@@ -116,7 +117,7 @@ def assert_image_sample(sample: dict, i: int) -> None:
 # -- the images themselves ---------------------------------------------------------------------
 
 
-def test_an_image_is_kept_once_privately_and_a_damaged_or_missing_one_is_refused_by_digest(
+def test_an_image_is_kept_once_and_a_damaged_or_missing_one_is_refused_by_digest(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     puts: list[str] = []
@@ -130,7 +131,6 @@ def test_an_image_is_kept_once_privately_and_a_damaged_or_missing_one_is_refused
     blobs, a = ImageBlobs(store), DIGEST["a"]
     path = tmp_path / "s.zarr" / "images" / a
     assert path.read_bytes() == ENCODED["a"] and blobs.get(a) == ENCODED["a"]
-    assert path.stat().st_mode & 0o777 == 0o600
     assert sorted(os.listdir(path.parent)) == sorted(DIGEST.values())  # no temporaries left
 
     path.write_bytes(b"not the image")
@@ -154,12 +154,30 @@ def test_images_on_object_storage_are_created_once_and_checked_when_read() -> No
     blobs.put(a, ENCODED["a"])
     assert bytes(obstore.get(memory, f"images/{a}").bytes()) == ENCODED["a"]
     assert blobs.get(a) == ENCODED["a"]
+    # From the location alone (a planning task's, without opening the store): the same keys.
+    located = ImageBlobs(ObjectStore(memory))
+    assert located.get(a) == ENCODED["a"]
+    located.put(DIGEST["c"], ENCODED["c"])
+    assert blobs.get(DIGEST["c"]) == ENCODED["c"]
     obstore.put(memory, f"images/{a}", b"damaged")
     blobs.put(a, ENCODED["a"])  # there: not sent again
     with pytest.raises(StoreFormatError, match=f"image {a} is damaged"):
         blobs.get(a)
     with pytest.raises(StoreFormatError, match=f"image {DIGEST['b']} is missing"):
         blobs.get(DIGEST["b"])
+
+
+def test_images_put_at_a_local_location_are_the_stores(tmp_path: Path) -> None:
+    url = tmp_path / "s.zarr"
+    for location in (open_location(str(url)), url):  # a path, as open_location gives it
+        ImageBlobs(location).put(DIGEST["b"], ENCODED["b"])
+    assert os.listdir(url / "images") == [DIGEST["b"]]
+    store = create_store(
+        url, image_manifest(), NAMES[1:2], [np.array(IDS[1], np.int32)], [np.ones(3, np.uint8)],
+        position_ids=[sample_plan()[2][1]], overwrite=True,
+    )  # fmt: skip
+    ImageBlobs(str(url)).put(DIGEST["a"], ENCODED["a"])
+    assert ImageBlobs(store).get(DIGEST["a"]) == ENCODED["a"]
 
 
 def test_collapse_sends_one_image_token_per_image() -> None:
@@ -215,7 +233,7 @@ def test_a_store_read_while_planned_shows_the_images_of_its_planned_shards(tmp_p
     ids, masks, positions = sample_plan()
     builder = StoreBuilder.create(tmp_path / "s.zarr", image_manifest())
     for i in range(3):
-        builder.add(NAMES[i], ids[i], masks[i], positions[i], IMAGES[i], BYTES)
+        builder.add(NAMES[i], ids[i], masks[i], positions[i], IMAGES[i])
     builder.flush()  # shard 0; sample 2 waits in shard 1
     store = Store.open(tmp_path / "s.zarr")
     assert store.sample_images(0, 6) == {0: IMAGES[0]}
@@ -238,11 +256,11 @@ def test_a_resume_notices_changed_positions_or_images(
     ids, masks, positions = sample_plan()
     builder = StoreBuilder.create(tmp_path / "s.zarr", image_manifest())
     for i in range(4):
-        builder.add(NAMES[i], ids[i], masks[i], positions[i], IMAGES[i], BYTES)
+        builder.add(NAMES[i], ids[i], masks[i], positions[i], IMAGES[i])
     builder.flush()  # shards 0 and 1 planned; then the driver stops
     resumed = StoreBuilder.resume(Store.open(tmp_path / "s.zarr", "r+"))
     for i in range(6):
-        given = {"position_ids": positions[i], "images": IMAGES[i], "image_bytes": BYTES}
+        given = {"position_ids": positions[i], "images": IMAGES[i]}
         resumed.add(NAMES[i], ids[i], masks[i], **{**given, **(change if i == sample else {})})
     if message is not None:
         with pytest.raises(PlanDiverged, match=message):
@@ -259,7 +277,7 @@ def test_a_resume_leaves_no_image_row_of_an_interrupted_flush_to_a_sample(tmp_pa
     ids, masks, positions = sample_plan()
     builder = StoreBuilder.create(tmp_path / "s.zarr", image_manifest())
     for i in range(4):
-        builder.add(NAMES[i], ids[i], masks[i], positions[i], IMAGES[i], BYTES)
+        builder.add(NAMES[i], ids[i], masks[i], positions[i], IMAGES[i])
     builder.flush()
     g = zarr.open_group(tmp_path / "s.zarr", mode="r+")
     row = 4  # after the 4 images of shards 0 and 1
@@ -272,7 +290,7 @@ def test_a_resume_leaves_no_image_row_of_an_interrupted_flush_to_a_sample(tmp_pa
     resumed = StoreBuilder.resume(Store.open(tmp_path / "s.zarr", "r+"))
     text = np.array([2, 3, 4], np.int32)
     for i in range(4):
-        resumed.add(NAMES[i], ids[i], masks[i], positions[i], IMAGES[i], BYTES)
+        resumed.add(NAMES[i], ids[i], masks[i], positions[i], IMAGES[i])
     resumed.add(NAMES[4], ids[4], masks[4], positions[4])
     resumed.add(NAMES[5], text, np.ones(3, np.uint8), np.zeros((3, 3), np.int32))
     resumed.flush()  # shard 2 planned, the plan not finished
@@ -288,7 +306,8 @@ def test_a_resume_leaves_no_image_row_of_an_interrupted_flush_to_a_sample(tmp_pa
         (dict(images=[image("a", 0, 4, (1, 4, 4))]), r"not all image tokens \(12\)"),
         (dict(images=[image("a", 1, 4, (1, 0, 4))]), "is not 3 counts >= 1"),
         (dict(images=[SampleImage("x" * 64, 1, 4, (1, 4, 4))]), "not a sha256 hex digest"),
-        (dict(image_bytes={}), f"image {DIGEST['a']}: no bytes given"),
+        (dict(images=[]), r"4 image tokens \(12\) outside every image span \(first: row 1\)"),
+        (dict(images=[image("a", 2, 3, (1, 3, 1))]), r"1 image tokens \(12\) outside .* row 1\)"),
         (dict(loss_mask=np.ones(6, np.uint8)), "loss mask 1 on an image token"),
     ],
 )
@@ -297,7 +316,7 @@ def test_add_refuses_a_sample_whose_images_or_positions_do_not_fit(
 ) -> None:
     ids, masks, positions = sample_plan()
     builder = StoreBuilder.create(tmp_path / "s.zarr", image_manifest())
-    given = dict(loss_mask=masks[0], position_ids=positions[0], images=IMAGES[0], image_bytes=BYTES)
+    given = dict(loss_mask=masks[0], position_ids=positions[0], images=IMAGES[0])
     with pytest.raises(ValueError, match=message) as caught:
         builder.add(NAMES[0], ids[0], **{**given, **edit})
     assert "sample 'v0'" in str(caught.value)
@@ -307,7 +326,7 @@ def test_a_text_store_takes_neither_images_nor_positions(tmp_path: Path) -> None
     builder = StoreBuilder.create(tmp_path / "s.zarr", manifest())
     ids, masks, positions = sample_plan()
     with pytest.raises(ValueError, match="the store holds none"):
-        builder.add("v0", ids[0], masks[0], images=IMAGES[0], image_bytes=BYTES)
+        builder.add("v0", ids[0], masks[0], images=IMAGES[0])
     with pytest.raises(ValueError, match="the store keeps none"):
         builder.add("v0", ids[0], masks[0], position_ids=positions[0])
 
@@ -347,6 +366,7 @@ def test_verify_names_a_span_off_the_image_tokens_and_one_trained_on(tmp_path: P
     assert image_errors(tmp_path / "s.zarr") == [
         "sample 0 (v0): image 0 (rows 1..4 of the sample): loss mask 1 on 1 image rows "
         "(first: row 2)",
+        "sample 3 (v3): 1 image tokens (12) outside every image span (first: row 2)",
         "sample 3 (v3): image 0 (rows 0..1 of the sample): 1 rows are not the image token 12 "
         "(first: row 0 holds 8)",
         "sample 3 (v3): image 0 (rows 0..1 of the sample): loss mask 1 on 1 image rows "
@@ -363,6 +383,32 @@ def test_verify_names_a_span_off_the_image_tokens_and_one_trained_on(tmp_path: P
     assert any(
         "input_ids / loss_mask / position_ids rows and image table" in e for e in plan_errors
     )
+
+
+def test_verify_names_an_image_token_outside_every_span(tmp_path: Path) -> None:
+    """Text holding the image token (a sample without images, or beside one): the model would
+    meet an image token without an image."""
+    store = image_store(tmp_path / "s.zarr")
+    g = zarr.open_group(tmp_path / "s.zarr", mode="r+")
+    g["input_ids"][store.sample_start[1] + 2] = TOKEN  # sample 1 has no image
+    g["input_ids"][store.sample_start[2] + 2] = TOKEN  # sample 2: between its two images
+    assert image_errors(tmp_path / "s.zarr") == [
+        "sample 1 (v1): 1 image tokens (12) outside every image span (first: row 2)",
+        "sample 2 (v2): 1 image tokens (12) outside every image span (first: row 2)",
+    ]
+    # A store whose table is empty (text rows on a vision model): every shard is read.
+    ids = [np.array([3, 4, 5], np.int32), np.array([6, 7], np.int32)]
+    positions = [np.repeat(np.arange(len(x))[:, None], 3, axis=1) for x in ids]
+    url = tmp_path / "t.zarr"
+    text = create_store(
+        url, image_manifest(), ["t0", "t1"], ids, [np.ones(len(x), np.uint8) for x in ids],
+        position_ids=positions,
+    )  # fmt: skip
+    assert image_errors(url) == []
+    zarr.open_group(url, mode="r+")["input_ids"][text.sample_start[1] + 1] = TOKEN
+    assert image_errors(url) == [
+        "sample 1 (t1): 1 image tokens (12) outside every image span (first: row 1)"
+    ]
 
 
 def test_verify_checks_the_position_ids_as_part_of_the_plan(tmp_path: Path) -> None:
