@@ -22,8 +22,8 @@ Inputs, sample ids, loss masks and every reject reason: docs/design/planning.md.
 from __future__ import annotations
 
 import functools
-import json
 import logging
+import socket
 from collections import deque
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -32,6 +32,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+from zarr.core.sync import sync
 
 from actors.config import GenerateConfig
 from cluster.config import DataConfig
@@ -47,7 +48,7 @@ from cluster.plan_sources import (
     split_parts,
 )
 from hsx_store.images import ImageBlobs, SampleImage
-from hsx_store.location import open_location
+from hsx_store.location import mask_secrets, open_location
 
 __all__ = [
     "PartEnd",
@@ -141,10 +142,21 @@ def _encoder(
     return Encoder.load(data, model_path, trust_remote_code, generate)
 
 
-@functools.lru_cache(maxsize=4)
-def _image_blobs(url: str, options_json: str) -> ImageBlobs:
-    """One per planning process and store: an object store's client is made once."""
-    return ImageBlobs(open_location(url, json.loads(options_json)))
+def _image_blobs(url: str, options: dict[str, Any] | None) -> ImageBlobs:
+    """Where this part's images go: the job's store, which must be there as this node sees
+    it (a local path another node cannot see would quietly become a folder of its own)."""
+    location = open_location(url, options)
+    if isinstance(location, str | Path):  # no LocalStore call: its first one makes the folder
+        there = (Path(location) / "zarr.json").is_file()
+    else:
+        there = sync(location.exists("zarr.json"))
+    if not there:
+        raise PlanError(
+            f"{mask_secrets(url, options)}: no store there as {socket.gethostname()} (planning a "
+            "part) sees it: a local store must be on storage every node mounts at the same path "
+            "(or use object storage)"
+        )
+    return ImageBlobs(location)
 
 
 def plan_part(
@@ -168,8 +180,7 @@ def plan_part(
     masks: list[np.ndarray] = []
     keep_in = None
     if images_to is not None and encoder.vision is not None:  # a text model has no images
-        url, options = images_to
-        keep_in = _image_blobs(url, json.dumps(options or {}, sort_keys=True, default=str))
+        keep_in = _image_blobs(*images_to)
     folder = Path(image_dir) if image_dir else input_folder(data.paths[part.source])
     images = encoder.image_sources(folder, keep_in)
     while chunk := list(islice(raw, BATCH_ROWS)):

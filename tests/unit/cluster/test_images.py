@@ -28,6 +28,7 @@ import obstore
 import obstore.store
 import pytest
 import transformers
+import zarr
 from PIL import Image
 from pydantic import ValidationError
 
@@ -40,7 +41,7 @@ from cluster.images import MROPE, NO_IMAGE_TOKEN, ExpandedRow, Vision, vision_se
 from cluster.job_store import open_or_create, plan_into
 from cluster.plan import PlanStream, Reject, Sample, build_plan, plan_part
 from cluster.plan_encode import GENERATE_IMAGES, STRAY_IMAGE_TOKEN, Encoder, parse_row
-from cluster.plan_sources import resolve_source, split_parts
+from cluster.plan_sources import PlanError, resolve_source, split_parts
 from hsx_store.images import ImageBlobs, SampleImage
 from hsx_store.integrity import verify_store
 from tests.helpers.jobs import job_config
@@ -259,9 +260,12 @@ def test_the_planning_task_puts_each_distinct_image_once_and_ships_only_rows(
         ImageBlobs, "put", lambda self, d, b: (puts.append(d), original(self, d, b))
     )
     store = tmp_path / "s.zarr"
-    result = plan_part(
-        part, data.model_dump_json(), str(qwen25_vl_path), False, None, (str(store), {})
-    )
+    args = (part, data.model_dump_json(), str(qwen25_vl_path), False, None)
+    with pytest.raises(PlanError, match=r"s\.zarr: no store there as .* sees it"):
+        plan_part(*args, (str(store), {}))  # a store this node cannot see: never made here
+    assert not store.exists()
+    zarr.create_group(store=str(store))  # the job's store, as the driver made it
+    result = plan_part(*args, (str(store), {}))
     assert [reason for _, _, reason in result.rows] == [None] * 4
     assert sorted(puts) == sorted([sha(RED), sha(WIDE)])  # in the store before it returned
     assert sorted(os.listdir(store / "images")) == sorted(puts)
@@ -272,6 +276,7 @@ def test_the_planning_task_puts_each_distinct_image_once_and_ships_only_rows(
 
     # Streamed: every image is in the store when the Sample naming it arrives.
     other = tmp_path / "t.zarr"
+    zarr.create_group(store=str(other))
     samples = []
     for item in PlanStream(data, qwen25_vl_path, images_to=(str(other), {})):
         if isinstance(item, Sample):
