@@ -25,7 +25,6 @@ import functools
 import inspect
 import io
 import json
-import os
 import re
 from collections import OrderedDict
 from collections.abc import Sequence
@@ -37,7 +36,7 @@ from urllib.parse import unquote, urlparse, urlsplit, urlunsplit
 import numpy as np
 
 from hsx_store.images import ImageBlobs, SampleImage, image_digest
-from hsx_store.location import mask_secrets, obstore_options
+from hsx_store.location import mask_secrets, open_location
 
 MROPE = "mrope"
 NO_IMAGE_TOKEN = "the model takes no images (its config.json names no image token)"
@@ -255,19 +254,11 @@ def _checked(source: str, data: bytes) -> ReadImage | str:
 
 @functools.lru_cache(maxsize=16)
 def _object_store(bucket_url: str, options_json: str, timeout_s: float) -> Any:
-    """One obstore client per bucket and settings, in each planning process."""
-    import obstore.store
-
+    """One obstore client per bucket and settings, in each planning process: opened as the
+    store's location is (hsx_store/location.py: endpoint, plain HTTP, retries)."""
     options = json.loads(options_json)
     options["client_options"] = {"timeout": timeout_s, **options.get("client_options", {})}
-    client, retry, rest = obstore_options(options)
-    keys = ("endpoint", "endpoint_url", "aws_endpoint")
-    endpoint = next((str(rest[k]) for k in keys if k in rest), "") or os.environ.get(
-        "AWS_ENDPOINT_URL_S3", os.environ.get("AWS_ENDPOINT_URL", "")
-    )
-    if str(endpoint).startswith("http://"):  # the user chose a plain-HTTP endpoint
-        client.setdefault("allow_http", True)
-    return obstore.store.from_url(bucket_url, client_options=client, retry_config=retry, **rest)
+    return open_location(bucket_url, options, read_only=True).store
 
 
 # ---------------------------------------------------------------------------------------------

@@ -119,7 +119,9 @@ def _parse_content(own_id: str | None, row: dict[str, Any], data: DataConfig) ->
     if isinstance(conv, str):
         return Row(own_id, conv)
     images = tuple(image_sources(conv.messages, field)) if schema == "openai" else ()
-    return Row(own_id, None, None, conv.messages, conv.tools, field, images)
+    return Row(
+        own_id, messages=conv.messages, tools=conv.tools, messages_field=field, images=images
+    )
 
 
 def _detect_schema(row: dict[str, Any], data: DataConfig) -> tuple[str, str] | str:
