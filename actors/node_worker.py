@@ -49,7 +49,7 @@ from actors.capture_client import (
 )
 from actors.config import WorkerConfig, WorkerJobConfig
 from actors.dump_checks import DumpMismatch, check_dump
-from actors.generator import PartGeneration
+from actors.generator import PartGeneration, PromptImages
 from actors.lease_keeper import Lease, LeaseKeeper, LeaseLost, ray_caller
 from actors.node_plan import NodePlan
 from actors.planned_sample import PlannedSample, image_urls, planned_samples
@@ -385,6 +385,8 @@ class NodeWorker:
         generation = None
         try:
             if keep.responses(lease.shard) is None:
+                urls = image_urls(self.store)
+                token = self.store.manifest.image_token_id
                 generation = PartGeneration(
                     pool,
                     self.server,
@@ -392,6 +394,7 @@ class NodeWorker:
                     self.job.generate,
                     self.config.sample_attempts,
                     self.job.server.request_timeout_s,
+                    None if urls is None or token is None else PromptImages(token, urls),
                 )
         except BaseException:
             keeper.__exit__(None, None, None)

@@ -10,7 +10,9 @@ each part's responses, once durable, become the store's planned samples, in plan
    responses are already there (a resumed job) is not generated again.
 3. In part order, each part's responses become samples: the prompt's tokens, then the response's
    tokens as the server returned them, then the turn end if the response stopped without it;
-   the loss mask covers the response and the turn end. A response cut at max_new_tokens is kept
+   the loss mask covers the response and the turn end. A prompt's images are expanded as a
+   captured row's are (each image token its run of rows, loss 0), and an M-RoPE store's
+   positions are HF's own for the whole sample. A response cut at max_new_tokens is kept
    (no turn end) or rejected (`generate.on_length`), an empty one is rejected, and a part the
    generation queue gave up has every sample rejected with its reason.
 
@@ -32,7 +34,7 @@ import ray
 
 from cluster.config import JobConfig
 from cluster.generation_stats import GenerationStats
-from cluster.images import text_positions
+from cluster.images import Vision, expand_images, text_positions
 from cluster.job_store import describe_plan, no_usable_samples
 from cluster.plan import PartEnd, PlanError, PlanStream, Reject, Sample
 from hsx_store.builder import StoreBuilder
@@ -62,14 +64,16 @@ class _Part:
 
 
 class ResponsePlanner:
-    """Turns one part's responses into samples and rejects (step 3 of the module doc)."""
+    """Turns one part's responses into samples and rejects (step 3 of the module doc).
+    `vision`: an image model's (its image token and positions; None: a text model's)."""
 
-    def __init__(self, config: JobConfig, mrope: bool, image_token_id: int | None = None) -> None:
+    def __init__(self, config: JobConfig, mrope: bool, vision: Vision | None = None) -> None:
         assert config.generate is not None
         self.generate = config.generate
-        self.mrope = mrope  # the store keeps M-RoPE positions: a text sample's three aranges
+        self.mrope = mrope  # the store keeps M-RoPE positions
+        self.vision = vision
         # An image store's: a response holding it would be an image token without an image.
-        self.image_token_id = image_token_id
+        self.image_token_id = None if vision is None else vision.image_token_id
 
     def samples(self, record: dict[str, Any]) -> list[Sample | Reject]:
         return [self.sample(s) for s in record["samples"]]
@@ -98,9 +102,28 @@ class ResponsePlanner:
                 )
             ids += [*segment, *written]
             mask += [0] * len(segment) + [1] * len(written)
-        positions = text_positions(len(ids)) if self.mrope else None  # no images: generate
         ids_, mask_ = np.asarray(ids, np.int32), np.asarray(mask, np.uint8)
+        if s.get("images"):
+            return self._with_images(sample_id, ids_, mask_, s["images"])
+        positions = text_positions(len(ids)) if self.mrope else None
         return Sample(sample_id, ids_, mask_, position_ids=positions)
+
+    def _with_images(
+        self, sample_id: str, ids: np.ndarray, mask: np.ndarray, images: list[dict[str, Any]]
+    ) -> Sample | Reject:
+        """A sample whose prompt has images: each image token (the prompt's, one per image)
+        expanded to its planned run, and, on an M-RoPE store, HF's positions of the whole.
+        A conversation that ended early (a turn cut) holds the images of its segments only."""
+        assert self.vision is not None and self.image_token_id is not None
+        held = int(np.count_nonzero(ids == self.image_token_id))  # none in a written turn
+        spans = [(im["digest"], im["length"], tuple(im["grid_thw"])) for im in images[:held]]
+        row = expand_images(ids, mask, spans, self.image_token_id)
+        positions = self.vision.positions(row.input_ids, row.images) if self.mrope else None
+        if isinstance(positions, str):
+            return Reject(sample_id, positions)
+        return Sample(
+            sample_id, row.input_ids, row.loss_mask, position_ids=positions, images=row.images
+        )
 
 
 def generate_into(
@@ -123,8 +146,9 @@ def generate_into(
         config.model.trust_remote_code,
         planners=planners,
         generate=gen,
+        images_to=(config.store.url, config.store.storage_options),
     )
-    planner = ResponsePlanner(config, builder.m.position_ids == "mrope", builder.m.image_token_id)
+    planner = ResponsePlanner(config, builder.m.position_ids == "mrope", stream.encoder.vision)
     turn_ends = {chat: stream.encoder.turn_end(chat) for chat in (True, False)}
     per_part = max(1, config.store.samples_per_shard // gen.n)
     rejected: list[dict[str, str]] = []
@@ -179,7 +203,7 @@ def generate_into(
                     rejected.append(item.to_json())
                     stats.rejected += 1
                 elif shards := builder.add(
-                    item.sample_id, item.input_ids, item.loss_mask, item.position_ids
+                    item.sample_id, item.input_ids, item.loss_mask, item.position_ids, item.images
                 ):
                     on_shards(shards)
                 accepted += isinstance(item, Sample)
@@ -202,7 +226,7 @@ def generate_into(
                     "prompt": prompt,
                     "segments": [seg.tolist() for seg in np.split(item.input_ids, cuts)],
                     "turn_end": turn_ends[isinstance(prompt, list)],
-                    **({"tools": item.prompt["tools"]} if "tools" in item.prompt else {}),
+                    **{k: item.prompt[k] for k in ("tools", "images") if k in item.prompt},
                     "samples": [
                         {"sample_id": sid, "seed": response_seed(gen.seed, sid)}
                         for sid in sample_ids(item.sample_id, gen.n)

@@ -277,6 +277,30 @@ class ExpandedRow:
     images: tuple[SampleImage, ...]
 
 
+def expand_images(
+    ids: np.ndarray,
+    mask: np.ndarray,
+    images: Sequence[tuple[str, int, tuple[int, int, int]]],
+    image_token_id: int,
+) -> ExpandedRow:
+    """A collapsed row (one image token per image) expanded: the k-th image token becomes
+    images[k]'s run (its digest, length, grid) of them, loss mask 0 there; no positions."""
+    is_image = ids == image_token_id
+    assert int(is_image.sum()) == len(images), "one image token per image"
+    counts = np.ones(len(ids), np.int64)
+    counts[is_image] = [length for _, length, _ in images]
+    starts = (np.cumsum(counts) - counts)[is_image]
+    return ExpandedRow(
+        np.repeat(ids, counts).astype(np.int32),
+        np.repeat(np.where(is_image, 0, mask), counts).astype(np.uint8),
+        None,
+        tuple(
+            SampleImage(digest, int(start), int(length), tuple(thw))
+            for (digest, length, thw), start in zip(images, starts, strict=True)
+        ),
+    )
+
+
 def text_positions(count: int) -> np.ndarray:
     """M-RoPE positions of a row without images: three aranges, [count, 3] int32."""
     return np.repeat(np.arange(count, dtype=np.int32)[:, None], 3, axis=1)
@@ -367,25 +391,28 @@ class Vision:
         lengths = self._span_lengths(ids, theirs, grid_rows)
         if isinstance(lengths, str):
             return lengths
-        is_image = ids == self.image_token_id
-        counts = np.ones(len(ids), np.int64)
-        counts[is_image] = lengths
-        expanded = np.repeat(ids, counts)
-        assert np.array_equal(expanded, theirs)  # what _span_lengths established
-        starts = (np.cumsum(counts) - counts)[is_image]
-        spans = tuple(
-            SampleImage(image.digest, int(start), int(length), thw)
-            for image, start, length, thw in zip(images, starts, lengths, grid_rows, strict=True)
-        )
+        spans = list(zip([image.digest for image in images], lengths, grid_rows, strict=True))
+        row = expand_images(ids, mask, spans, self.image_token_id)
+        assert np.array_equal(row.input_ids, theirs)  # what _span_lengths established
         positions = self._positions(out) if self.mrope else None
         if isinstance(positions, str):
             return positions
-        return ExpandedRow(
-            expanded.astype(np.int32),
-            np.repeat(np.where(is_image, 0, mask), counts).astype(np.uint8),
-            positions,
-            spans,
-        )
+        return ExpandedRow(row.input_ids, row.loss_mask, positions, row.images)
+
+    def positions(self, ids: np.ndarray, images: Sequence[SampleImage]) -> np.ndarray | str:
+        """HF's own M-RoPE positions of an expanded row (`ids`, its image spans `images`), as
+        the processor's output would give them: a generated sample's, whose rows no processor
+        made (a response after its prompt's images)."""
+        import torch
+
+        tensor = torch.from_numpy(np.asarray(ids, np.int64))[None]
+        out = {
+            "input_ids": tensor,
+            "attention_mask": torch.ones_like(tensor),
+            "image_grid_thw": torch.tensor([list(image.grid_thw) for image in images]),
+            "mm_token_type_ids": (tensor == self.image_token_id).int(),  # 1: image, 0: text
+        }
+        return self._positions(out)
 
     def _span_lengths(
         self, ours: np.ndarray, theirs: np.ndarray, grid: list[tuple[int, int, int]]

@@ -37,7 +37,7 @@ from zarr.core.sync import sync
 from actors.config import GenerateConfig
 from cluster.config import DataConfig
 from cluster.images import MROPE, ExpandedRow, text_positions
-from cluster.plan_encode import Encoder, chat_template_text, parse_row
+from cluster.plan_encode import Encoder, PromptEncoded, Row, chat_template_text, parse_row
 from cluster.plan_sources import (
     Part,
     PlanError,
@@ -73,8 +73,8 @@ class Sample:
     input_ids: np.ndarray  # int32
     loss_mask: np.ndarray  # uint8, same length
     # generating: {"prompt": messages (null contents: turns to write) or text, "segments":
-    # the lengths of the tokens before each turn to write, and "tools" where the row has
-    # them} (cluster/plan_encode.py)
+    # the lengths of the tokens before each turn to write, "tools" and "images" where the row
+    # has them} (`_prompt_record`); its tokens hold one image token per image
     prompt: dict[str, Any] | None = None
     # An M-RoPE model's (`Encoder.position_ids`): [P, 3] int32, for every sample
     position_ids: np.ndarray | None = None
@@ -123,7 +123,7 @@ class PartResult:
     lengths: list[int] = field(default_factory=list)
     input_ids: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int32))
     loss_mask: np.ndarray = field(default_factory=lambda: np.zeros(0, np.uint8))
-    # generating: each accepted row's {"prompt": messages or text, "segments": lengths}
+    # generating: each accepted row's prompt record (`_prompt_record`)
     prompts: list[dict[str, Any]] = field(default_factory=list)
     # Rows with images, by their index among the accepted: M-RoPE positions [P, 3] (an M-RoPE
     # model's other rows get three aranges on arrival), image spans (the images themselves
@@ -196,12 +196,27 @@ def plan_part(
                 ids.append(encoded[0])
                 masks.append(encoded[1])
                 result.lengths.append(len(encoded[0]))
-                if encoder.generate is not None:  # the prompt and its segments' lengths
-                    prompt = {"prompt": encoder.prompt_of(row), "segments": encoded[2]}
-                    result.prompts.append(prompt | ({"tools": row.tools} if row.tools else {}))
+                if encoder.generate is not None:
+                    result.prompts.append(_prompt_record(encoder.prompt_of(row), row, encoded))
     if ids:
         result.input_ids, result.loss_mask = np.concatenate(ids), np.concatenate(masks)
     return result
+
+
+def _prompt_record(
+    prompt: list[dict[str, Any]] | str, row: Row, encoded: PromptEncoded
+) -> dict[str, Any]:
+    """A prompt as a generation part keeps it: its messages (or text), its segments' lengths,
+    its row's tools, its images (digest, rows, grid: their spans follow from the tokens)."""
+    record: dict[str, Any] = {"prompt": prompt, "segments": encoded[2]}
+    if row.tools:
+        record["tools"] = row.tools
+    if images := encoded[3]:
+        record["images"] = [
+            {"digest": im.digest, "length": im.length, "grid_thw": list(im.grid_thw)}
+            for im in images
+        ]
+    return record
 
 
 def _add_images(result: PartResult, row: ExpandedRow) -> None:

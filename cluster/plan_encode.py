@@ -31,7 +31,14 @@ from cluster.conversation import (
     parse_sharegpt,
     type_name,
 )
-from cluster.images import NO_IMAGE_TOKEN, ExpandedRow, ImageSources, Vision, vision_settings
+from cluster.images import (
+    NO_IMAGE_TOKEN,
+    ExpandedRow,
+    ImageSources,
+    ReadImage,
+    Vision,
+    vision_settings,
+)
 from cluster.loss_mask import (
     Render,
     TemplateShapeError,
@@ -40,14 +47,13 @@ from cluster.loss_mask import (
     token_mask_by_prefix,
 )
 from cluster.plan_sources import PlanError
-from hsx_store.images import ImageBlobs
+from hsx_store.images import ImageBlobs, SampleImage
 
 NO_TEMPLATE = "the model has no chat template; set data.chat_template"
 NO_ASSISTANT = "no assistant turn to train on"
 NO_MASKED_TOKENS = "the chat template marks no assistant tokens"
 NOTHING_TO_ANSWER = "nothing for the model to answer: {what}"
 UNRENDERED = "the chat template does not render {what} (it has no tool support)"
-GENERATE_IMAGES = "generate: rows with images are not supported yet"
 # A row's own text holding the image token would give the model an image token without an
 # image: its forward fails on the count of image tokens and image features.
 IMAGE_TOKEN_AS_TEXT = "{where} holds the image token {token} as text (only an image part may)"
@@ -55,6 +61,14 @@ STRAY_IMAGE_TOKEN = "the rendered row holds the image token {token} (id {id}) wi
 _TO_WRITE = {"role": "assistant", "content": None}  # a turn the model writes, all of it anew
 # The same test transformers uses to decide whether a template can return an assistant mask.
 _GENERATION_TAG = re.compile(r"\{%-?\s*generation\s*-?%\}")
+
+
+@dataclass(frozen=True)
+class _Expanded:
+    """A row expanded with its images, and the images as read (kept once it is accepted)."""
+
+    row: ExpandedRow
+    read: tuple[ReadImage, ...]
 
 
 @dataclass
@@ -71,8 +85,9 @@ class Row:
 
 
 Encoded = tuple[np.ndarray, np.ndarray]  # int32 token ids, uint8 loss mask
-# generating: a prompt's token ids, a mask of zeros, and its segments' lengths
-PromptEncoded = tuple[np.ndarray, np.ndarray, list[int]]
+# generating: a prompt's token ids (one image token per image), a mask of zeros, its segments'
+# lengths, and its images in prompt order (their spans in the expanded prompt)
+PromptEncoded = tuple[np.ndarray, np.ndarray, list[int], tuple[SampleImage, ...]]
 
 
 def parse_row(value: Any, reason: str | None, data: DataConfig) -> Row:
@@ -296,13 +311,15 @@ class Encoder:
         """Each row's (ids, loss mask), or why it is rejected; a row with images: its
         ExpandedRow, its images read from `images` (default: paths relative to the current
         directory). Generating (`generate`): each row's prompt instead, the tokens the model
-        answers, with a mask of zeros."""
+        answers, with a mask of zeros (a PromptEncoded)."""
         if self.generate is not None:
+            if images is None and any(r.images for r in rows):
+                images = self.image_sources(Path.cwd())
             return [
                 r.reason
-                or (r.images and GENERATE_IMAGES)
+                or (r.images and self._unrendered_image(r))
                 or self._image_token_as_text(r)
-                or self._without_stray_image_token(self._encode_prompt(r))
+                or self._encode_prompt(r, images)
                 for r in rows
             ]
         # "": filled in below
@@ -373,9 +390,34 @@ class Encoder:
 
     def _with_images(self, row: Row, encoded: Encoded, images: ImageSources) -> ExpandedRow | str:
         """A row's collapsed (ids, mask) expanded by the model's processor with its images."""
-        assert self.vision is not None and row.messages is not None
+        assert row.messages is not None
+        try:  # the text the row's tokens came from, for the processor to expand
+            text = self._render(row.messages, False, row.tools)
+        except Exception as exc:  # a template is user code; its errors are the row's
+            return f"chat template error: {exc}"
+        expanded = self._expand(row.images, text, *encoded, images)
+        if isinstance(expanded, str):
+            return expanded
+        if (length := len(expanded.row.input_ids)) > self.max_length:
+            return f"{length} tokens > max_length {self.max_length}"
+        if not expanded.row.loss_mask.any():
+            return NO_MASKED_TOKENS
+        images.keep(expanded.read)  # accepted: into the store now, before the driver adds it
+        return expanded.row
+
+    def _expand(
+        self,
+        parts: tuple[tuple[str, str], ...],
+        text: str,
+        ids: np.ndarray,
+        mask: np.ndarray,
+        images: ImageSources,
+    ) -> _Expanded | str:
+        """`ids` (one image token per image part of `parts`, rendered as `text`) expanded by
+        the model's processor with the parts' images, read from `images`."""
+        assert self.vision is not None
         read, pictures = [], []
-        for where, source in row.images:
+        for where, source in parts:
             image = images.read(source)
             if isinstance(image, str):
                 return f"{where}: {image}"
@@ -384,19 +426,8 @@ class Encoder:
             except Exception as exc:  # PIL's decoders raise what they meet
                 return f"{where}: cannot decode the image: {type(exc).__name__}: {exc}"
             read.append(image)
-        try:  # the text the row's tokens came from, for the processor to expand
-            text = self._render(row.messages, False, row.tools)
-        except Exception as exc:  # a template is user code; its errors are the row's
-            return f"chat template error: {exc}"
-        expanded = self.vision.expand(text, *encoded, read, pictures)
-        if isinstance(expanded, str):
-            return expanded
-        if len(expanded.input_ids) > self.max_length:
-            return f"{len(expanded.input_ids)} tokens > max_length {self.max_length}"
-        if not expanded.loss_mask.any():
-            return NO_MASKED_TOKENS
-        images.keep(read)  # accepted: into the store now, before the driver adds its rows
-        return expanded
+        row = self.vision.expand(text, ids, mask, read, pictures)
+        return row if isinstance(row, str) else _Expanded(row, tuple(read))
 
     # -- prompts to generate from ------------------------------------------------------------
 
@@ -438,11 +469,14 @@ class Encoder:
             return shape
         return self._tokenize([shape.end])[0] if shape.end else []
 
-    def _encode_prompt(self, row: Row) -> PromptEncoded | str:
-        """(the prompt's tokens, a mask of zeros, its segments' lengths): the tokens before
-        each turn the model writes, after the one before it (one segment: the last turn)."""
+    def _encode_prompt(self, row: Row, images: ImageSources | None) -> PromptEncoded | str:
+        """(the prompt's tokens, a mask of zeros, its segments' lengths, its images): the
+        tokens before each turn the model writes, after the one before it (one segment: the
+        last turn). The prompt's images (read from `images`) are expanded as a captured row's
+        are; the tokens keep one image token each, as requests carry them."""
         assert self.generate is not None
         prompt = self.prompt_of(row)
+        texts: list[str] = []  # the chat segments' texts
         if isinstance(prompt, str):
             segments = [self.tok(prompt, add_special_tokens=True)["input_ids"]]
         else:
@@ -457,42 +491,62 @@ class Encoder:
             if reason := self._unrendered(written, row.tools):
                 return reason
             try:
-                segments = self._segments(prompt, row.tools)
+                pieces = self._segment_texts(prompt, row.tools)
             except Exception as exc:  # a template is user code; its errors are the row's
                 return f"chat template error: {exc}"
-            if isinstance(segments, str):
-                return segments
+            if isinstance(pieces, str):
+                return pieces
+            texts, segments = pieces, self._tokenize(pieces)
         end = self.turn_end(chat=not isinstance(prompt, str))
         if isinstance(end, str):
             return end
-        ids = [t for seg in segments for t in seg]
-        room = len(segments) * (self.generate.max_new_tokens + len(end))
-        if len(ids) + room > self.max_length:
-            return (
-                f"no room to generate: {len(ids)} prompt tokens + {len(segments)} x "
-                f"(max_new_tokens {self.generate.max_new_tokens} + {len(end)} end-of-turn) > "
-                f"max_length {self.max_length}"
-            )
-        checked = self._check(ids, None)
+        lengths = [len(seg) for seg in segments]
+        if reason := self._no_room(sum(lengths), lengths, end):
+            return reason
+        checked = self._check([t for seg in segments for t in seg], None)
         if isinstance(checked, str):
             return checked
-        return checked[0], np.zeros(len(ids), np.uint8), [len(seg) for seg in segments]
+        ids, zeros = checked[0], np.zeros(len(checked[0]), np.uint8)
+        parts = tuple(image_sources(prompt, str(row.messages_field))) if row.images else ()
+        if not parts:
+            stray = self._without_stray_image_token((ids, zeros))
+            return stray if isinstance(stray, str) else (ids, zeros, lengths, ())
+        assert images is not None and texts  # a chat prompt: its segments' texts are there
+        expanded = self._expand(parts, "".join(texts), ids, zeros, images)
+        if isinstance(expanded, str):
+            return expanded
+        if reason := self._no_room(len(expanded.row.input_ids), lengths, end):
+            return reason
+        images.keep(expanded.read)  # accepted: into the store now, as a captured row's
+        return ids, zeros, lengths, expanded.row.images
 
-    def _segments(
+    def _no_room(self, prompt_tokens: int, segments: list[int], end: list[int]) -> str | None:
+        """Why a prompt of `prompt_tokens` (expanded) leaves no room for its turns."""
+        assert self.generate is not None
+        room = len(segments) * (self.generate.max_new_tokens + len(end))
+        if prompt_tokens + room <= self.max_length:
+            return None
+        return (
+            f"no room to generate: {prompt_tokens} prompt tokens + {len(segments)} x "
+            f"(max_new_tokens {self.generate.max_new_tokens} + {len(end)} end-of-turn) > "
+            f"max_length {self.max_length}"
+        )
+
+    def _segment_texts(
         self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None
-    ) -> list[list[int]] | str:
-        """Each turn to write's preceding tokens. With one turn: the rendering of the messages
-        before it with the template's generation prompt. With several, or with a template that
-        has none (add_generation_prompt changes nothing: that rendering ends before the
-        assistant's header): one rendering with a probe text in every turn to write, the text
-        before and between those turns (headers included) tokenized piece by piece (each
-        starts after a special token: the pieces are the whole's tokens)."""
+    ) -> list[str] | str:
+        """The text before each turn to write, tokenized piece by piece. With one turn: the
+        rendering of the messages before it with the template's generation prompt. With
+        several, or with a template that has none (add_generation_prompt changes nothing: that
+        rendering ends before the assistant's header): one rendering with a probe text in every
+        turn to write, the text before and between those turns, headers included (each piece
+        starts after a special token: the pieces' tokens are the whole's)."""
         shape = self._turn_shape()
         if isinstance(shape, str):
             return shape
         render = self._renderer(tools)
         if shape.generation_prompt and sum(m["content"] is None for m in messages) == 1:
-            return [self._tokenize([render(messages[:-1], True)])[0]]
+            return [render(messages[:-1], True)]
         probe = "HSXPROBEASSISTANT"
         filled = [{**m, "content": probe} if m["content"] is None else m for m in messages]
         text = render(filled, False)
@@ -502,7 +556,7 @@ class Encoder:
         to_write = [m["content"] is None for m in messages if m["role"] == "assistant"]
         turns = [span for span, written in zip(spans, to_write, strict=True) if written]
         after = [0, *(end for _, end in turns)]  # where each piece starts
-        return self._tokenize([text[after[t] : start] for t, (start, _) in enumerate(turns)])
+        return [text[after[t] : start] for t, (start, _) in enumerate(turns)]
 
     def _check(self, ids: list[int], mask: list[int] | None) -> Encoded | str:
         if not ids:

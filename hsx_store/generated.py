@@ -127,6 +127,12 @@ def read_conversations(
                 "id": sample["sample_id"],
                 **conversation(sample["prompt"], [t["text"] for t in turns]),
                 **({"tools": sample["tools"]} if "tools" in sample else {}),
+                # the prompt's images in the store (ImageBlobs), by digest, in prompt order
+                **(
+                    {"images": [im["digest"] for im in sample["images"]]}
+                    if "images" in sample
+                    else {}
+                ),
                 "turns": turns,  # each: output_ids, finish_reason, text
                 "seed": sample["seed"],
                 "sampling": record["sampling"],

@@ -41,19 +41,57 @@ def _model(path: Path) -> tuple[Any, Any, dict[str, Any]]:
 def reference(path: Path, messages: list[dict[str, Any]], images: list[bytes]) -> VLReference:
     """`messages` with transformers' `{"type": "image"}` parts, one per image of `images`
     (encoded bytes, in order), rendered by the model's own chat template."""
-    processor, model, seen = _model(path)
+    processor, _, _ = _model(path)
     text = processor.apply_chat_template(messages, tokenize=False)
-    pictures = [Image.open(io.BytesIO(data)).convert("RGB") for data in images]
-    encoded = processor(text=[text], images=pictures or None, return_tensors="pt")
+    encoded = processor(text=[text], images=_pictures(images) or None, return_tensors="pt")
+    return _forward(path, encoded)
+
+
+def reference_of_ids(path: Path, input_ids: list[int], images: list[bytes]) -> VLReference:
+    """The forward of expanded tokens `input_ids` (each image's run of image tokens in place)
+    with `images`: a generated sample's, whose text no template rendered."""
+    return _forward(path, _inputs(path, input_ids, images))
+
+
+def greedy(path: Path, input_ids: list[int], images: list[bytes], max_new_tokens: int) -> list[int]:
+    """HF's greedy continuation of expanded tokens `input_ids` with `images`."""
+    _, model, _ = _model(path)
+    inputs = _inputs(path, input_ids, images)
+    with torch.no_grad():
+        out = model.generate(**inputs, max_new_tokens=max_new_tokens, do_sample=False)
+    return out[0, len(input_ids) :].tolist()
+
+
+def _pictures(images: list[bytes]) -> list[Any]:
+    return [Image.open(io.BytesIO(data)).convert("RGB") for data in images]
+
+
+def _inputs(path: Path, input_ids: list[int], images: list[bytes]) -> dict[str, Any]:
+    """The model's inputs for expanded tokens, as its processor would give them."""
+    processor, model, _ = _model(path)
+    ids = torch.tensor([input_ids])
+    inputs: dict[str, Any] = {
+        "input_ids": ids,
+        "attention_mask": torch.ones_like(ids),
+        "mm_token_type_ids": (ids == model.config.image_token_id).int(),
+    }
+    if images:
+        inputs |= processor.image_processor(images=_pictures(images), return_tensors="pt")
+    return inputs
+
+
+def _forward(path: Path, encoded: Any) -> VLReference:
+    _, model, seen = _model(path)
     with torch.no_grad():
         out = model(**encoded, output_hidden_states=True, use_cache=False)
     ids = encoded["input_ids"][0]
     positions = seen["position_ids"]
     if positions is None:  # no image: the language model makes its own, three aranges
         positions = torch.arange(len(ids)).expand(3, 1, -1)
+    grid = encoded.get("image_grid_thw")
     return VLReference(
         ids.tolist(),
-        encoded["image_grid_thw"].tolist() if pictures else [],
+        [] if grid is None else grid.tolist(),
         positions[-3:, 0].T.contiguous(),  # [3 (or 4: a text row first), 1, P] -> [P, 3]
         tuple(h[0] for h in out.hidden_states),
         seen["prenorm"][0],

@@ -23,11 +23,19 @@ from cluster.config import parse_config
 from cluster.driver import run_job
 from cluster.verify.command import verify as verify_command
 from hsx_store.format import Store
+from hsx_store.generated import read_conversations
+from hsx_store.images import ImageBlobs
 from hsx_store.reader import HiddenStatesDataset
 from tests.helpers.jobs import job_config
 from tests.helpers.ray_cluster import SOLO_NODE, SimulatedCluster
 from tests.helpers.reports import check_lines, errors
-from tests.helpers.vl_reference import assert_matches_reference, reference, row_error
+from tests.helpers.vl_reference import (
+    assert_matches_reference,
+    greedy,
+    reference,
+    reference_of_ids,
+    row_error,
+)
 from tools.s3_server import S3Server
 
 IMAGE_TOKEN = 12  # <|image_pad|> of the tiny model
@@ -253,3 +261,122 @@ def test_recompute_resends_the_images_passes_them_and_names_a_wrong_sample(
     assert messages and all(m.startswith("sample 1 (two-images): final") for m in messages)
     failing = {f.check for f in report.findings if f.level == "error"}
     assert failing == {"recompute"}, report.format()
+
+
+# -- generate, then capture, with images ----------------------------------------------------------
+
+GEN_TOKENS = 6  # max_new_tokens of the generate job
+
+
+@pytest.fixture(scope="module")
+def generated_image_job(
+    qwen25_vl_path: Path, ray_cluster: SimulatedCluster, tmp_path_factory: pytest.TempPathFactory
+) -> dict[str, Any]:
+    """Every assistant turn written anew by the server (greedy), an image in each user turn,
+    then captured; the store local."""
+    root = tmp_path_factory.mktemp("generated-image-job")
+    (root / "imgs").mkdir()
+    small, wide = png(56, 56, 0), png(112, 84, 1)
+    (root / "imgs" / "small.png").write_bytes(small)
+    (root / "imgs" / "wide.png").write_bytes(wide)
+
+    def text(t: str) -> dict[str, Any]:
+        return {"type": "text", "text": t}
+
+    def user(*content: dict[str, Any]) -> dict[str, Any]:
+        return {"role": "user", "content": list(content)}
+
+    answer = {"role": "assistant", "content": "recorded"}
+    image = {"type": "image_url", "image_url": {"url": data_url(small)}}
+    rows = [
+        {"id": "one-image", "messages": [user(text("What is it?"), image), answer]},
+        {
+            "id": "two-turns",
+            "messages": [
+                user({"type": "image", "image": "imgs/wide.png"}, text("and?")),
+                answer,
+                user(text("this one"), {"type": "image", "image": "imgs/small.png"}),
+                answer,
+            ],
+        },
+        {"id": "text-only", "messages": [{"role": "user", "content": "hi"}, answer]},
+        {"id": "gone", "messages": [user({"type": "image", "image": "imgs/gone.png"}), answer]},
+    ]
+    (root / "prompts.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    raw = job_config(qwen25_vl_path, root / "prompts.jsonl", root / "s.zarr", root)
+    raw["model"]["aux_layer_ids"] = [0, 1, 2]
+    stop = stop_string(qwen25_vl_path, [{"type": "image"}, text("and?")], wide)
+    raw["generate"] = {"turns": "all", "max_new_tokens": GEN_TOKENS, "stop": [stop]}
+    raw["worker"]["node_resource"] = SOLO_NODE
+    said: list[str] = []
+    ray_cluster.acquire()
+    assert run_job(parse_config(raw), say=said.append) == 0, "\n".join(said)[-4000:]
+    ray_cluster.release()
+    images = {"one-image": [small], "two-turns": [wide, small], "text-only": []}
+    return {"url": str(root / "s.zarr"), "images": images}
+
+
+def look_alike(images: list[bytes]) -> list[bytes]:
+    """Other noise images of the same sizes (the same tokens: only pixels differ)."""
+    sizes = [Image.open(io.BytesIO(data)).size for data in images]
+    return [png(w, h, 100 + k) for k, (w, h) in enumerate(sizes)]
+
+
+def stop_string(path: Path, content: list[dict[str, Any]], image: bytes) -> str:
+    """The random model never ends a turn by itself: the text of a token HF writes third (or
+    later) answering `content` with `image` ends that turn early, so the next is written."""
+    from transformers import AutoProcessor
+
+    processor = AutoProcessor.from_pretrained(path)
+    messages = [{"role": "user", "content": content}]
+    text = processor.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    picture = Image.open(io.BytesIO(image)).convert("RGB")
+    ids = processor(text=[text], images=[picture], return_tensors="pt")["input_ids"][0]
+    first = greedy(path, ids.tolist(), [image], GEN_TOKENS)
+    return next(t for t in map(processor.tokenizer.decode, ([k] for k in first[2:])) if t.strip())
+
+
+def test_generated_samples_with_images_are_what_hf_writes_and_computes_with_them(
+    generated_image_job: dict[str, Any], qwen25_vl_path: Path
+) -> None:
+    """Each written turn is HF's greedy continuation of what precedes it with the images so
+    far (another image would have it write otherwise); each sample's rows, positions and
+    spans are HF's forward of its tokens with its images; the images are in the store."""
+    store = Store.open(generated_image_job["url"])
+    assert store.committed().all()
+    ids = [str(x) for x in store.group["sample_id"][:]]
+    assert ids == ["one-image", "two-turns", "text-only"]
+    reasons = {r["sample_id"]: r["reason"] for r in store.rejected}
+    assert set(reasons) == {"gone"} and "messages[0].content[0]" in reasons["gone"]
+    planned = store.sample_images(0, store.num_samples)
+    written = {c["id"]: c for c in read_conversations(generated_image_job["url"])}
+    others: list[list[int]] = []  # turns with images, written with other images
+    written_with_images: list[list[int]] = []
+    for i, sample_id in enumerate(ids):
+        images = generated_image_job["images"][sample_id]
+        got = stored_sample(store, i)
+        tokens = got["input_ids"].tolist()
+        spans = planned.get(i, [])
+        assert [ImageBlobs(store).get(im.digest) for im in spans] == images, sample_id
+        assert written[sample_id].get("images", []) == [im.digest for im in spans]
+        ref = reference_of_ids(qwen25_vl_path, tokens, images)
+        assert [list(im.grid_thw) for im in spans] == ref.image_grid_thw, sample_id
+        assert np.array_equal(got["position_ids"], ref.position_ids.numpy()), sample_id
+        assert_matches_reference(ref, store.manifest.layer_ids, got, TOLERANCE)
+        assert not got["loss_mask"][got["input_ids"] == IMAGE_TOKEN].any(), sample_id
+        # Each written turn (a run of loss 1) as the server wrote it, and as HF writes it
+        # with the images before it.
+        turns = written[sample_id]["turns"]
+        starts = np.flatnonzero(np.diff(np.append(0, got["loss_mask"])) == 1)
+        assert len(starts) == len(turns), sample_id
+        for start, turn in zip(starts, turns, strict=True):
+            out = turn["output_ids"]
+            assert tokens[start : start + len(out)] == out, (sample_id, start)
+            shown = [data for data, im in zip(images, spans, strict=False) if im.start < start]
+            assert greedy(qwen25_vl_path, tokens[:start], shown, len(out)) == out, sample_id
+            if shown:  # the same turn, written with other images of the same sizes
+                others.append(greedy(qwen25_vl_path, tokens[:start], look_alike(shown), len(out)))
+                written_with_images.append(out)
+    assert len(written["two-turns"]["turns"]) == 2  # the second turn written after an image
+    # The images matter: with others in their place, HF writes some turn otherwise.
+    assert others != written_with_images

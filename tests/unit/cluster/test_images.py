@@ -40,7 +40,7 @@ from cluster.generation_feed import ResponsePlanner
 from cluster.images import MROPE, NO_IMAGE_TOKEN, ExpandedRow, Vision, vision_settings
 from cluster.job_store import open_or_create, plan_into
 from cluster.plan import PlanStream, Reject, Sample, build_plan, plan_part
-from cluster.plan_encode import GENERATE_IMAGES, STRAY_IMAGE_TOKEN, Encoder, parse_row
+from cluster.plan_encode import STRAY_IMAGE_TOKEN, Encoder, parse_row
 from cluster.plan_sources import PlanError, resolve_source, split_parts
 from hsx_store.images import ImageBlobs, SampleImage
 from hsx_store.integrity import verify_store
@@ -642,27 +642,6 @@ def test_model_and_template_rejects(
         assert isinstance(result, ExpandedRow)
 
 
-def test_generating_from_a_row_with_images_is_refused(
-    qwen25_vl_path: Path, pics: Path, tmp_path: Path
-) -> None:
-    path = write_jsonl(
-        tmp_path / "rows.jsonl",
-        [
-            {
-                "id": "img",
-                "messages": [{"role": "user", "content": [url_part(str(pics / "red.png"))]}],
-            },
-            {"id": "txt", "messages": [{"role": "user", "content": "hi"}]},
-        ],
-    )
-    stream = PlanStream(
-        DataConfig(paths=[str(path)]), qwen25_vl_path, generate=GenerateConfig(max_new_tokens=8)
-    )
-    items = [item for item in stream if isinstance(item, Reject | Sample)]
-    assert items[0] == Reject("img", GENERATE_IMAGES)
-    assert isinstance(items[1], Sample) and items[1].sample_id == "txt"
-
-
 def test_a_processor_that_tokenizes_otherwise_is_refused(
     encoder: Encoder, pics: Path, qwen25_vl_path: Path
 ) -> None:
@@ -746,9 +725,10 @@ def test_the_image_token_as_text_is_refused(
     assert encode(generating, pics, cases[0][0], {"text": "a b"})[0] == f"text {as_text}"
 
 
-def test_a_generated_response_holding_the_image_token_is_rejected() -> None:
+def test_a_generated_response_holding_the_image_token_is_rejected(qwen25_vl_path: Path) -> None:
     raw = {"model": {"path": "m"}, "data": {"paths": ["p"]}, "store": {"url": "s"}}
-    planner = ResponsePlanner(parse_config({**raw, "generate": {}}), True, image_token_id=12)
+    vision = Vision(qwen25_vl_path, False, 12, MROPE)
+    planner = ResponsePlanner(parse_config({**raw, "generate": {}}), True, vision)
     record = {
         "sample_id": "s",
         "segments": [[1, 2]],
