@@ -91,6 +91,8 @@ def write_turns(
     segments, turn_end = prompt["segments"], prompt["turn_end"]
     params = {**sampling, "stop_token_ids": turn_end[:1]}  # the server stops where turns end
     digests = [image["digest"] for image in prompt.get("images", ())]
+    if digests and images is None:  # a store without images planned none: never sent bare
+        raise GenerationError("its prompt has images, but the worker reads none")
     token = images.image_token_id if images else None
     ids: list[int] = []
     shown = 0  # the prompt's images in the segments so far

@@ -225,6 +225,24 @@ def image_sources(messages: list[dict[str, Any]], field: str) -> list[tuple[str,
     ]
 
 
+def by_digest(messages: list[dict[str, Any]], digests: list[str]) -> list[dict[str, Any]]:
+    """The messages with their image parts, in prompt order, naming `digests` in place of their
+    sources: `{"type": "image", "digest": ...}` (the image in the store, hsx_store/images.py)."""
+    named = iter(digests)
+
+    def part(p: dict[str, Any]) -> dict[str, Any]:
+        return {"type": IMAGE_PART, "digest": next(named)} if p.get("type") == IMAGE_PART else p
+
+    out = [
+        {**m, "content": [part(p) for p in m["content"]]}
+        if isinstance(m.get("content"), list)
+        else m
+        for m in messages
+    ]
+    assert next(named, None) is None, "one digest per image part"
+    return out
+
+
 def parse_sharegpt(
     turns: Any, tools: Any, system: Any, field: str, tools_field: str, roles: list[str]
 ) -> Conversation | str:

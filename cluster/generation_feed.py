@@ -194,6 +194,7 @@ def generate_into(
                 record = keep.responses(part.index)
                 if record is None:
                     raise PlanError(f"generation part {part.index} completed but not kept")
+                _check_answers(part, record)
             delay = POLL_S[0]
             waiting.popleft()
             stats.parts_done += 1
@@ -252,6 +253,23 @@ def generate_into(
         describe_plan(builder.m, accepted, _tokens(builder), rejected, config.store.url)
         + f"\ngenerated {stats.responses} responses to {stats.prompts} prompts in "
         f"{stats.parts} parts ({stats.reused_parts} kept from an earlier run)"
+    )
+
+
+def _check_answers(part: _Part, record: dict[str, Any]) -> None:
+    """A kept part's responses must answer this plan's prompts of that part: a resume whose
+    plan changed otherwise (another release accepting other rows) would take one prompt's
+    responses for another's."""
+    kept = [s["sample_id"] for s in record["samples"]]
+    planned = [s["sample_id"] for p in part.prompts for s in p["samples"]]
+    if kept == planned:
+        return
+    pairs = enumerate(zip(kept, planned, strict=False))
+    k = next((k for k, (a, b) in pairs if a != b), min(len(kept), len(planned)))
+    raise PlanError(
+        f"generation part {part.index} kept responses for other samples than this plan's (at "
+        f"its sample {k}: kept {kept[k : k + 1]}, planned {planned[k : k + 1]}): the plan "
+        "changed since they were generated; write to a new store"
     )
 
 

@@ -36,6 +36,7 @@ from zarr.core.sync import sync
 
 from actors.config import GenerateConfig
 from cluster.config import DataConfig
+from cluster.conversation import by_digest
 from cluster.images import MROPE, ExpandedRow, text_positions
 from cluster.plan_encode import Encoder, PromptEncoded, Row, chat_template_text, parse_row
 from cluster.plan_sources import (
@@ -207,11 +208,14 @@ def _prompt_record(
     prompt: list[dict[str, Any]] | str, row: Row, encoded: PromptEncoded
 ) -> dict[str, Any]:
     """A prompt as a generation part keeps it: its messages (or text), its segments' lengths,
-    its row's tools, its images (digest, rows, grid: their spans follow from the tokens)."""
+    its row's tools, its images (digest, rows, grid: their spans follow from the tokens). Each
+    image part names its image by digest (in the store), not by its source: a data URL would
+    be the whole image again, in the prompts and in every sample's responses."""
     record: dict[str, Any] = {"prompt": prompt, "segments": encoded[2]}
     if row.tools:
         record["tools"] = row.tools
     if images := encoded[3]:
+        record["prompt"] = by_digest(prompt, [im.digest for im in images])
         record["images"] = [
             {"digest": im.digest, "length": im.length, "grid_thw": list(im.grid_thw)}
             for im in images

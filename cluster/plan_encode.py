@@ -15,7 +15,7 @@ from __future__ import annotations
 import functools
 import json
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -315,13 +315,7 @@ class Encoder:
         if self.generate is not None:
             if images is None and any(r.images for r in rows):
                 images = self.image_sources(Path.cwd())
-            return [
-                r.reason
-                or (r.images and self._unrendered_image(r))
-                or self._image_token_as_text(r)
-                or self._encode_prompt(r, images)
-                for r in rows
-            ]
+            return [r.reason or self._encode_prompt(r, images) for r in rows]
         # "": filled in below
         results: list[Any] = [
             r.reason
@@ -477,6 +471,14 @@ class Encoder:
         assert self.generate is not None
         prompt = self.prompt_of(row)
         texts: list[str] = []  # the chat segments' texts
+        # Judged as prompted: an image (or the image token) in a turn written anew is gone.
+        prompted = row
+        if not isinstance(prompt, str):
+            parts = tuple(image_sources(prompt, str(row.messages_field)))
+            prompted = replace(row, messages=prompt, images=parts)
+        unrendered = prompted.images and self._unrendered_image(prompted)
+        if reason := unrendered or self._image_token_as_text(prompted):
+            return reason
         if isinstance(prompt, str):
             segments = [self.tok(prompt, add_special_tokens=True)["input_ids"]]
         else:
@@ -507,8 +509,7 @@ class Encoder:
         if isinstance(checked, str):
             return checked
         ids, zeros = checked[0], np.zeros(len(checked[0]), np.uint8)
-        parts = tuple(image_sources(prompt, str(row.messages_field))) if row.images else ()
-        if not parts:
+        if not (parts := prompted.images):
             stray = self._without_stray_image_token((ids, zeros))
             return stray if isinstance(stray, str) else (ids, zeros, lengths, ())
         assert images is not None and texts  # a chat prompt: its segments' texts are there

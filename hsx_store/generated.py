@@ -108,9 +108,10 @@ def read_conversations(
     url: str | Path, storage_options: Mapping[str, Any] | None = None
 ) -> Iterator[dict[str, Any]]:
     """Every generated sample of the store at `url`, in plan order, as a conversation: the
-    prompt (messages or text, and its row's tools) with the written turns in place, each
-    turn's token ids and finish reason, the seed, the sampling parameters and the model that
-    wrote it. Samples whose generation failed are left out (the store's `rejected` names them
+    prompt (messages or text, and its row's tools) with the written turns in place (an image
+    part as `{"type": "image", "digest": ...}`: ImageBlobs(store).get(digest)), each turn's
+    token ids and finish reason, the seed, the sampling parameters and the model that wrote
+    it. Samples whose generation failed are left out (the store's `rejected` names them
     and why); a sample the plan rejected (a cut or empty turn) is here as it was written."""
     from hsx_store.format import open_group
 
@@ -127,12 +128,6 @@ def read_conversations(
                 "id": sample["sample_id"],
                 **conversation(sample["prompt"], [t["text"] for t in turns]),
                 **({"tools": sample["tools"]} if "tools" in sample else {}),
-                # the prompt's images in the store (ImageBlobs), by digest, in prompt order
-                **(
-                    {"images": [im["digest"] for im in sample["images"]]}
-                    if "images" in sample
-                    else {}
-                ),
                 "turns": turns,  # each: output_ids, finish_reason, text
                 "seed": sample["seed"],
                 "sampling": record["sampling"],

@@ -316,6 +316,11 @@ def generated_image_job(
     return {"url": str(root / "s.zarr"), "images": images}
 
 
+def content_parts(message: dict[str, Any]) -> list[dict[str, Any]]:
+    content = message["content"]
+    return content if isinstance(content, list) else []
+
+
 def look_alike(images: list[bytes]) -> list[bytes]:
     """Other noise images of the same sizes (the same tokens: only pixels differ)."""
     sizes = [Image.open(io.BytesIO(data)).size for data in images]
@@ -358,7 +363,8 @@ def test_generated_samples_with_images_are_what_hf_writes_and_computes_with_them
         tokens = got["input_ids"].tolist()
         spans = planned.get(i, [])
         assert [ImageBlobs(store).get(im.digest) for im in spans] == images, sample_id
-        assert written[sample_id].get("images", []) == [im.digest for im in spans]
+        parts = [p for m in written[sample_id]["messages"] for p in content_parts(m)]
+        assert [p["digest"] for p in parts if p["type"] == "image"] == [im.digest for im in spans]
         ref = reference_of_ids(qwen25_vl_path, tokens, images)
         assert [list(im.grid_thw) for im in spans] == ref.image_grid_thw, sample_id
         assert np.array_equal(got["position_ids"], ref.position_ids.numpy()), sample_id

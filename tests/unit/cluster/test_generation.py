@@ -15,9 +15,15 @@ from transformers import AutoTokenizer
 from actors.config import GenerateConfig
 from cluster.__main__ import main as cli_main
 from cluster.config import ConfigError, DataConfig, parse_config
-from cluster.generation_feed import ResponsePlanner, response_seed, sample_ids
+from cluster.generation_feed import (
+    ResponsePlanner,
+    _check_answers,
+    _Part,
+    response_seed,
+    sample_ids,
+)
 from cluster.job_store import open_or_create, plan_into
-from cluster.plan import PlanStream, Reject, Sample
+from cluster.plan import PlanError, PlanStream, Reject, Sample
 from cluster.plan_encode import UNRENDERED
 from hsx_store.generated import GeneratedParts, closed_turn, conversation
 from tests.helpers.jobs import job_config
@@ -360,3 +366,19 @@ def test_generate_settings_are_checked_field_by_field() -> None:
     for bad, field in (({"n": 0}, "generate.n"), ({"on_length": "cut"}, "generate.on_length")):
         with pytest.raises(ConfigError, match=field):
             parse_config({**raw, "generate": bad})
+
+
+def test_a_kept_part_answering_other_samples_stops_the_resume() -> None:
+    """A resume whose plan changed (another release accepting other rows): part 1's kept
+    responses answer other prompts than this plan puts there."""
+    prompts = [{"samples": [{"sample_id": "a"}, {"sample_id": "b"}]}]
+    part = _Part(1, prompts, kept=True)
+    _check_answers(part, {"samples": [{"sample_id": "a"}, {"sample_id": "b"}]})  # the same
+    with pytest.raises(
+        PlanError,
+        match=r"part 1 kept responses for other samples .*at its "
+        r"sample 1: kept \['c'\], planned \['b'\]\).*write to a new store",
+    ):
+        _check_answers(part, {"samples": [{"sample_id": "a"}, {"sample_id": "c"}]})
+    with pytest.raises(PlanError, match=r"at its sample 1: kept \[\], planned \['b'\]"):
+        _check_answers(part, {"samples": [{"sample_id": "a"}]})

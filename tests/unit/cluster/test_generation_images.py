@@ -219,3 +219,36 @@ def test_a_sample_of_written_turns_is_hfs_conversation_with_its_images(
     moved = planner(stream.encoder.vision).sample(wrong)
     assert isinstance(moved, Sample) and moved.position_ids is not None
     assert not np.array_equal(moved.position_ids, ref.position_ids.numpy()[:n])
+
+
+def test_a_prompt_names_its_images_by_digest_and_rows_are_judged_as_prompted(
+    rows: Path, qwen25_vl_path: Path, llama_path: Path, tmp_path: Path
+) -> None:
+    """The prompt record's image parts name the store's image, never a data URL's bytes
+    again; an image (or the image token) only in a turn written anew is gone with it."""
+    planned = plan(rows, qwen25_vl_path, turns="last")
+    one = planned["one"]
+    assert isinstance(one, Sample) and one.prompt is not None
+    (part,) = [p for p in one.prompt["prompt"][0]["content"] if p["type"] == "image"]
+    assert part == {"type": "image", "digest": hashlib.sha256(SMALL).hexdigest()}
+    in_answer = [user("hi"), {"role": "assistant", "content": [image("small.png")]}]
+    token_in_answer = [user("hi"), assistant("<|image_pad|>")]
+    path = write_jsonl(
+        tmp_path / "rows.jsonl",
+        [{"id": "img", "messages": in_answer}, {"id": "tok", "messages": token_in_answer}],
+    )
+    for model in (qwen25_vl_path, llama_path):  # a text model: no image left to refuse
+        for turns in ("last", "all"):
+            got = plan(path, model, turns=turns, content_format="string")
+            assert all(isinstance(s, Sample) for s in got.values()), (model, turns, got)
+    # Kept where the prompt keeps it: refused, naming it.
+    kept = plan(path, qwen25_vl_path, turns="last", content_format="string")
+    assert isinstance(kept["img"], Sample) and "images" not in (kept["img"].prompt or {})
+    asked = write_jsonl(
+        tmp_path / "asked.jsonl",
+        [{"id": "img", "messages": [user(image("small.png")), assistant("x")]}],
+    )
+    refused = plan(asked, qwen25_vl_path, turns="last", content_format="string")["img"]
+    assert isinstance(refused, Reject) and refused.reason.startswith(
+        "messages[0].content[0] is an image, but the chat template takes text content"
+    )
