@@ -113,6 +113,12 @@ def qwen25_vl_path(models_dir: Path) -> Path:
     return ensure_models(models_dir, ["qwen25-vl-tiny"])["qwen25-vl-tiny"]
 
 
+@pytest.fixture(scope="session")
+def kimi_k25_path(models_dir: Path) -> Path:
+    """The tiny Kimi-K2.5 (DeepseekV3 + MoonViT) with its processor, made on first use."""
+    return ensure_models(models_dir, ["kimi-k25-tiny"])["kimi-k25-tiny"]
+
+
 # -- servers, clusters, storage ---------------------------------------------------------------
 
 

@@ -3,9 +3,10 @@
     python -m tools.tiny_models OUT_DIR [--only llama-tiny deepseek-v3-tiny qwen25-vl-tiny ...]
 
 Each model lands in OUT_DIR/<name>/ as an ordinary HF checkpoint (config.json, bf16 safetensors,
-tokenizer files with a chat template; `qwen25-vl-tiny` also an image processor) that both SGLang and
-transformers load. The same seed gives the same bytes, so a directory made once can be re-used
-(`ensure_models` skips what is there).
+tokenizer files with a chat template; `qwen25-vl-tiny` and `kimi-k25-tiny` also a processor)
+that both SGLang and transformers load (`kimi-k25-tiny`'s SGLang processor is remote code: the
+server needs --trust-remote-code). The same seed gives the same bytes, so a directory made
+once can be re-used (`ensure_models` skips what is there).
 """
 
 from __future__ import annotations
@@ -358,8 +359,257 @@ def write_qwen25_vl(name: str, out_dir: Path) -> Path:
     return path
 
 
+# -- a tiny Kimi-K2.5: a DeepseekV3 language model and a MoonViT vision tower --------------------
+
+# Kimi's markup tokens (our ids 0..12: <|media_begin|> 8, <|media_end|> 10, <|media_pad|> 11).
+KIMI_SPECIAL_TOKENS = [
+    "[BOS]", "[EOS]", "[PAD]", "<|im_end|>", "<|im_user|>", "<|im_assistant|>", "<|im_system|>",
+    "<|im_middle|>", "<|media_begin|>", "<|media_content|>", "<|media_end|>", "<|media_pad|>",
+    "<|kimi_k25_video_placeholder|>",
+]  # fmt: skip
+
+# Kimi-K2.5's turn markup (`<|im_user|>user<|im_middle|>...<|im_end|>`), one
+# `<|media_begin|>image<|media_content|><|media_pad|><|media_end|>` per image part (the processor
+# expands the pad); tools, calls, reasoning and `{% generation %}` as CHAT_TEMPLATE has them.
+KIMI_CHAT_TEMPLATE = (
+    "{% if tools %}<|im_system|>tool_declare<|im_middle|># Tools\n<tools>"
+    "{% for tool in tools %}{{ '\\n' }}{{ tool | tojson }}{% endfor %}"
+    "{{ '\\n' }}</tools><|im_end|>{% endif %}"
+    "{% for message in messages %}"
+    "{% set role = message['role'] %}"
+    "{% if role == 'user' %}<|im_user|>{% elif role == 'assistant' %}<|im_assistant|>"
+    "{% else %}<|im_system|>{% endif %}{{ role }}<|im_middle|>"
+    "{% if role == 'assistant' %}"
+    "{% generation %}"
+    "{% if message.reasoning_content %}<think>{{ message.reasoning_content }}</think>{% endif %}"
+    "{% if message['content'] is string %}{{ message['content'] }}{% endif %}"
+    "{% for call in message.tool_calls or [] %}"
+    "{% if message['content'] or not loop.first %}{{ '\\n' }}{% endif %}<tool_call>\n"
+    "{{ {'name': call.function.name, 'arguments': call.function.arguments} | tojson }}"
+    "\n</tool_call>{% endfor %}"
+    "<|im_end|>{% endgeneration %}"
+    "{% elif message['content'] is string %}{{ message['content'] }}<|im_end|>"
+    "{% else %}{% for content in message['content'] %}"
+    "{% if content['type'] == 'image' or 'image' in content or 'image_url' in content %}"
+    "<|media_begin|>image<|media_content|><|media_pad|><|media_end|>"
+    "{% elif 'text' in content %}{{ content['text'] }}{% endif %}"
+    "{% endfor %}<|im_end|>{% endif %}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}<|im_assistant|>assistant<|im_middle|>{% endif %}"
+)
+
+# The model directory's remote-code processor (auto_map): transformers' Kimi_K25Processor plus
+# what SGLang's kimi_k25 multimodal processor reads from the hub's own processor, a
+# `media_processor` (`media_proc_cfg`, `media_tokens_calculator`) and `medias=` calls with the
+# image tokens already expanded. Without trust_remote_code AutoProcessor gives Kimi_K25Processor.
+KIMI_PROCESSOR_FILE = "processing_tiny_kimi_k25.py"
+KIMI_PROCESSOR_SOURCE = """\
+# Remote-code processor of the tiny Kimi-K2.5: transformers' Kimi_K25Processor plus the hub
+# processor's `media_processor` and `medias=` interface that SGLang's kimi_k25 multimodal
+# processor calls (its CPU path hands over text whose image tokens are already expanded).
+
+from transformers import BatchFeature
+from transformers.models.kimi_k25.processing_kimi_k25 import Kimi_K25Processor
+
+
+class _MediaProcessor:
+    def __init__(self, image_processor):
+        self.image_processor = image_processor
+        size = image_processor.size
+        side = size["max_height"] if isinstance(size, dict) else size.max_height
+        self.media_proc_cfg = {
+            "patch_size": image_processor.patch_size,
+            "merge_kernel_size": image_processor.merge_size,
+            "in_patch_limit": image_processor.max_patches,
+            "patch_limit_on_one_side": side,
+            "image_mean": list(image_processor.image_mean),
+            "image_std": list(image_processor.image_std),
+        }
+
+    def media_tokens_calculator(self, media):
+        width, height = media["image"].size
+        patches = self.image_processor.get_number_of_image_patches(height, width, {})
+        return patches // self.image_processor.merge_size**2
+
+
+class TinyKimiK25Processor(Kimi_K25Processor):
+    def __init__(
+        self, image_processor=None, tokenizer=None, video_processor=None, chat_template=None,
+        **kwargs,
+    ):
+        super().__init__(
+            image_processor, tokenizer, video_processor, chat_template=chat_template, **kwargs
+        )
+        self.media_processor = _MediaProcessor(self.image_processor)
+
+    def __call__(self, text=None, images=None, videos=None, medias=None, **kwargs):
+        if medias is None:
+            return super().__call__(text=text, images=images, videos=videos, **kwargs)
+        kwargs.pop("return_tensors", None)
+        ids = self.tokenizer(text, return_tensors="pt")
+        data = dict(ids)
+        imgs = [m["image"] for m in medias if m["type"] == "image"]
+        if imgs:
+            out = self.image_processor(imgs, return_tensors="pt")
+            data["pixel_values"] = out["pixel_values"]
+            data["grid_thws"] = out["image_grid_thw"]
+        return BatchFeature(data=data)
+
+
+__all__ = ["TinyKimiK25Processor"]
+"""
+
+# transformers' save reverts its kimi_k25 load renames too broadly (language `layers` become
+# `blocks`, the patch embedding and projector norm move): back to the hub checkpoint's names,
+# which SGLang's loader and transformers' own conversion read.
+_KIMI_NAME_FIXES = (
+    ("language_model.model.blocks.", "language_model.model.layers."),
+    ("vision_tower.encoder.patch_embed.", "vision_tower.patch_embed."),
+    ("model.mm_projector.", "mm_projector."),
+)
+KIMI_PATCH_SIZE, KIMI_MERGE_SIZE = 14, 2
+
+
+def _kimi_hub_names(file: Path) -> None:
+    from safetensors.torch import load_file, save_file
+
+    fixed = {}
+    for key, value in load_file(file).items():
+        for old, new in _KIMI_NAME_FIXES:
+            if key.startswith(old):
+                key = new + key[len(old) :]
+        fixed[key] = value
+    save_file(fixed, file, metadata={"format": "pt"})
+
+
+def _update_json(file: Path, **fields: object) -> None:
+    data = json.loads(file.read_text())
+    for key, value in fields.items():
+        if isinstance(value, dict) and isinstance(data.get(key), dict):
+            data[key].update(value)
+        else:
+            data[key] = value
+    file.write_text(json.dumps(data, indent=2))
+
+
+def kimi_k25_config(tokenizer: PreTrainedTokenizerFast) -> PretrainedConfig:
+    """Text: deepseek-v3-tiny's (MLA, MoE, YaRN). Vision: MoonViT depth 2, hidden 64, 2 heads,
+    a 16x16 learned position grid, 2x2 patch merging into the text's hidden 256."""
+    from transformers import Kimi_K25Config
+
+    ids = {t: tokenizer.convert_tokens_to_ids(t) for t in KIMI_SPECIAL_TOKENS}
+    text = deepseek_v3_config(tokenizer).to_dict()
+    text.update(
+        bos_token_id=ids["[BOS]"], eos_token_id=ids["<|im_end|>"], pad_token_id=ids["[PAD]"]
+    )
+    for key in ("architectures", "transformers_version", "dtype", "torch_dtype"):
+        text.pop(key, None)
+    vision = dict(
+        patch_size=KIMI_PATCH_SIZE,
+        pos_emb_height=16,
+        pos_emb_width=16,
+        pos_emb_time=4,
+        num_attention_heads=2,
+        num_hidden_layers=2,
+        hidden_size=64,
+        intermediate_size=128,
+        hidden_act="gelu_pytorch_tanh",
+        merge_kernel_size=[KIMI_MERGE_SIZE, KIMI_MERGE_SIZE],
+        rope_parameters={"rope_type": "axial", "rope_theta": 10000.0},
+    )
+    return Kimi_K25Config(
+        architectures=["KimiK25ForConditionalGeneration"],
+        text_config=text,
+        vision_config=vision,
+        projection_hidden_size=64,
+        projection_layer_norm_eps=1e-5,
+        image_token_id=ids["<|media_pad|>"],
+        video_token_id=ids["<|kimi_k25_video_placeholder|>"],
+        vision_start_token_id=ids["<|media_begin|>"],
+        vision_end_token_id=ids["<|media_end|>"],
+        tie_word_embeddings=False,
+        pad_token_id=ids["[PAD]"],
+        dtype="bfloat16",
+    )
+
+
+def write_kimi_k25(name: str, out_dir: Path) -> Path:
+    """The model in the hub checkpoint's layout, its tokenizer (Kimi's markup tokens) and a
+    processor both transformers (Kimi_K25Processor) and SGLang (trust_remote_code) load."""
+    from transformers import Kimi_K25ForConditionalGeneration, Kimi_K25Processor
+    from transformers.models.kimi_k25.image_processing_kimi_k25 import Kimi_K25ImageProcessor
+    from transformers.models.kimi_k25.video_processing_kimi_k25 import Kimi_K25VideoProcessor
+
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=_train_tokenizer(KIMI_SPECIAL_TOKENS),
+        bos_token="[BOS]",
+        eos_token="<|im_end|>",
+        pad_token="[PAD]",
+        extra_special_tokens={
+            "image_token": "<|media_pad|>",
+            "video_token": "<|kimi_k25_video_placeholder|>",
+        },
+        chat_template=KIMI_CHAT_TEMPLATE,
+        model_max_length=4096,
+    )
+    torch.manual_seed(SEED)
+    config = kimi_k25_config(tokenizer)
+    model = Kimi_K25ForConditionalGeneration(config).to(torch.float32)
+    _randomize(model)
+    model = model.to(torch.bfloat16)
+    for part in (model.config.text_config, model.config.vision_config):
+        part.dtype = torch.bfloat16
+    path = out_dir / name
+    model.save_pretrained(path, safe_serialization=True)
+    _kimi_hub_names(path / "model.safetensors")
+    vision, text = config.vision_config, config.text_config
+    # SGLang reads its own KimiK25Config from the same file, under the hub config's names.
+    _update_json(
+        path / "config.json",
+        architectures=["KimiK25ForConditionalGeneration"],
+        media_placeholder_token_id=config.image_token_id,
+        # SGLang builds the language model from text_config and reads its architectures[0].
+        text_config=dict(architectures=["DeepseekV3ForCausalLM"]),
+        vision_config=dict(
+            init_pos_emb_height=vision.pos_emb_height,
+            init_pos_emb_width=vision.pos_emb_width,
+            init_pos_emb_time=vision.pos_emb_time,
+            pos_emb_type="divided_fixed",
+            video_attn_type="spatial_temporal",
+            merge_type="sd2_tpool",
+            vt_hidden_size=vision.hidden_size,
+            vt_num_attention_heads=vision.num_attention_heads,
+            vt_num_hidden_layers=vision.num_hidden_layers,
+            vt_intermediate_size=vision.intermediate_size,
+            mm_projector_type="patchmerger",
+            mm_hidden_size=vision.hidden_size,
+            projector_hidden_act="gelu",
+            projector_ln_eps=1e-5,
+            text_hidden_size=text.hidden_size,
+        ),
+    )
+    processor = Kimi_K25Processor(
+        # At most 256 patches (64 image tokens) an image: cheap on CPU.
+        image_processor=Kimi_K25ImageProcessor(
+            max_patches=256, size={"max_height": 32, "max_width": 32}
+        ),
+        tokenizer=tokenizer,
+        video_processor=Kimi_K25VideoProcessor(),
+        chat_template=KIMI_CHAT_TEMPLATE,
+    )
+    processor.save_pretrained(path)
+    (path / KIMI_PROCESSOR_FILE).write_text(KIMI_PROCESSOR_SOURCE)
+    remote = KIMI_PROCESSOR_FILE.removesuffix(".py") + ".TinyKimiK25Processor"
+    _update_json(path / "processor_config.json", auto_map={"AutoProcessor": remote})
+    _mark_complete(path, name)
+    return path
+
+
 # Models that bring their own tokenizer and processor: name -> writer (name, out_dir).
-MULTIMODAL_PRESETS: dict[str, Callable[[str, Path], Path]] = {"qwen25-vl-tiny": write_qwen25_vl}
+MULTIMODAL_PRESETS: dict[str, Callable[[str, Path], Path]] = {
+    "qwen25-vl-tiny": write_qwen25_vl,
+    "kimi-k25-tiny": write_kimi_k25,
+}
 MODELS = (*PRESETS, *MULTIMODAL_PRESETS)
 
 

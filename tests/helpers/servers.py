@@ -26,6 +26,7 @@ SERVED_MODEL_MODULES = {
     "LlamaForCausalLM": "llama",
     "DeepseekV3ForCausalLM": "deepseek_v2",
     "Qwen2_5_VLForConditionalGeneration": "qwen2_5_vl",
+    "KimiK25ForConditionalGeneration": "kimi_k25",
 }
 
 

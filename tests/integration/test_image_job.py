@@ -131,11 +131,8 @@ def stored_sample(store: Store, i: int) -> dict[str, Any]:
     out = {
         name: torch.from_numpy(np.asarray(g[name][rows])) for name in store.manifest.hidden_arrays
     }
-    return out | {
-        "input_ids": np.asarray(g["input_ids"][rows]),
-        "loss_mask": np.asarray(g["loss_mask"][rows]),
-        "position_ids": np.asarray(g["position_ids"][rows]),
-    }
+    plan = ["input_ids", "loss_mask", *(["position_ids"] if store.manifest.position_ids else [])]
+    return out | {name: np.asarray(g[name][rows]) for name in plan}
 
 
 def hf_messages(row: dict[str, Any]) -> list[dict[str, Any]]:
