@@ -51,10 +51,43 @@ def generate_and_capture(
     )
     if image_data:
         payload["image_data"] = image_data
+    return _captured(rid, _post(server, payload, timeout, f"rid {rid}")["meta_info"])
+
+
+def generate_and_capture_batch(
+    server: SGLangServer, prompts: dict[str, dict[str, Any]], timeout: float = 600.0
+) -> dict[str, CaptureResponse | CaptureError]:
+    """Prefill several prompts (rid -> `input_ids`, and `image_data` where it has images) in
+    one request: SGLang hands a batch of token ids to its scheduler at once, so they are
+    prefilled together rather than as separate requests happen to arrive. Each rid's dump,
+    or why it has none; an HTTP error is every prompt's (raised)."""
+    rids = list(prompts)
+    payload: dict[str, Any] = {
+        "rid": rids,
+        "input_ids": [prompts[rid]["input_ids"] for rid in rids],
+        "sampling_params": {"max_new_tokens": 1},
+    }
+    if any(prompts[rid].get("image_data") for rid in rids):
+        payload["image_data"] = [prompts[rid].get("image_data") for rid in rids]
+    answers = _post(server, payload, timeout, f"{len(rids)} rids")
+    out: dict[str, CaptureResponse | CaptureError] = {}
+    for rid, answer in zip(rids, answers, strict=True):
+        try:
+            out[rid] = _captured(rid, answer["meta_info"])
+        except CaptureError as exc:
+            out[rid] = exc
+    return out
+
+
+def _post(server: SGLangServer, payload: dict[str, Any], timeout: float, what: str) -> Any:
     response = server.session.post(server.url + "/generate", json=payload, timeout=timeout)
     if response.status_code != 200:
-        raise CaptureError(f"rid {rid}: HTTP {response.status_code}: {response.text[:500]}")
-    meta_info = response.json()["meta_info"]
+        raise CaptureError(f"{what}: HTTP {response.status_code}: {response.text[:500]}")
+    return response.json()
+
+
+def _captured(rid: str, meta_info: dict[str, Any]) -> CaptureResponse:
+    """Where the server says `rid`'s dump is."""
     # One entry per forward that reported on this request; the last one is the final word.
     entries = [e for e in meta_info.get(META_INFO_KEY) or [] if e is not None]
     if not entries:

@@ -18,7 +18,6 @@ import functools
 import math
 import uuid
 from collections.abc import Iterator
-from concurrent.futures import ThreadPoolExecutor, as_completed
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -31,12 +30,13 @@ from hsx_store.fp8 import FP8_DTYPE, dequantize, scale_name
 if TYPE_CHECKING:  # torch is imported where a recompute needs it: plain checks go without
     import torch
 
+    from actors.capture_client import CaptureResponse
     from actors.sglang_server import SGLangServer
 
 # Cross-sample: another sample's recompute must be this many times further than the own one
 # (the margin tests/integration/test_capture_server.py asks of the HF reference).
 CROSS_MARGIN = 10.0
-# Concurrent requests of the batched recompute: enough for SGLang to batch several.
+# Prompts of one batched recompute request: SGLang prefills them together.
 BATCH_REQUESTS = 16
 
 
@@ -115,18 +115,26 @@ class RecomputeCheck(ModelCheck):
         return out
 
     def capture(self, server: SGLangServer, i: int, how: str) -> Rows:
-        from actors.capture_client import generate_and_capture, wait_for_dump
+        from actors.capture_client import generate_and_capture
+
+        rid = self.rid(i, how)
+        return self.read(generate_and_capture(server, rid, **self.planned(i).request()), i)
+
+    def rid(self, i: int, how: str) -> str:
+        return f"hsx-verify-{how}-s{i}-{uuid.uuid4().hex[:8]}"
+
+    def read(self, response: CaptureResponse, i: int) -> Rows:
+        """Sample i's rows from the dump `response` names, checked to be its; the dump is
+        released."""
+        from actors.capture_client import wait_for_dump
         from actors.dump_checks import check_tokens
         from patches.dump_files import read_dump, release_dump
 
-        sample = self.planned(i)
-        rid = f"hsx-verify-{how}-s{i}-{uuid.uuid4().hex[:8]}"
-        response = generate_and_capture(server, rid, **sample.request())
         try:
             tensors, meta = read_dump(wait_for_dump(response.dump_path))
-            if meta.get("rid") != rid:
+            if meta.get("rid") != response.rid:
                 raise RuntimeError(f"the dump is not this request's (rid {meta.get('rid')!r})")
-            check_tokens(tensors, sample)
+            check_tokens(tensors, self.planned(i))
             return {name: tensors[name].clone() for name in self.arrays}  # the dump is reused
         finally:
             release_dump(response.dump_path)
@@ -182,20 +190,48 @@ class RecomputeCheck(ModelCheck):
             self.tell(describe_recompute(result))
 
     def batched(self, server: SGLangServer, samples: list[int]) -> Iterator[tuple[int, Rows]]:
-        """Every sample sent at once (a lone one with a copy of itself as its company)."""
+        """The samples prefilled together: BATCH_REQUESTS at a time, each batch one request
+        (a lone sample with a copy of itself as its company). As separate concurrent requests
+        they were batched as they happened to arrive: on a busy machine, one by one, and the
+        noise measured was then 0."""
+        from actors.capture_client import CaptureError, generate_and_capture_batch
+
         requests = samples if len(samples) > 1 else samples * 2
-        seen: set[int] = set()
-        with ThreadPoolExecutor(min(len(requests), BATCH_REQUESTS)) as pool:
-            futures = {pool.submit(self.capture, server, i, "batched"): i for i in requests}
-            for future in as_completed(futures):
-                i = futures[future]
-                if i in seen:
-                    continue
-                seen.add(i)
+        done: set[int] = set()  # a sample's first answer (or failure) is its
+
+        def failed(i: int, exc: Exception) -> None:
+            if i not in done:
+                done.add(i)
+                self.failed(i, "batched", exc)
+
+        for start in range(0, len(requests), BATCH_REQUESTS):
+            prompts, sample_of = {}, {}
+            for i in requests[start : start + BATCH_REQUESTS]:
                 try:
-                    yield i, future.result()
+                    prompt = self.planned(i).request()
+                except CaptureError as exc:  # its image: the store cannot give it
+                    failed(i, exc)
+                    continue
+                rid = self.rid(i, "batched")
+                prompts[rid], sample_of[rid] = prompt, i
+            try:
+                responses = generate_and_capture_batch(server, prompts) if prompts else {}
+            except Exception as exc:  # the request as a whole: every prompt of it
+                for i in sample_of.values():
+                    failed(i, exc)
+                continue
+            for rid, response in responses.items():
+                i = sample_of[rid]
+                try:  # read (and so released) also where a copy of it came first
+                    if isinstance(response, CaptureError):
+                        raise response
+                    rows = self.read(response, i)
                 except Exception as exc:
-                    self.failed(i, "batched", exc)
+                    failed(i, exc)
+                    continue
+                if i not in done:
+                    done.add(i)
+                    yield i, rows
 
     def measure(self, i: int, alone: Rows, batched: Rows) -> dict[str, dict[str, float]]:
         """Per hidden array, the noise (alone vs batched) and how far the stored rows are from the
