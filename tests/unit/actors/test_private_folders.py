@@ -28,7 +28,8 @@ sys.stdin.read()  # until killed
 
 @pytest.fixture
 def shm_file() -> Path:
-    path = SHM_ROOT / f"sglang_loads_test_{uuid.uuid4().hex}.shm"
+    # Not `sglang_loads_*`: a worker on this machine (a job, the server tests) sweeps those.
+    path = SHM_ROOT / f"test_segment_{uuid.uuid4().hex}.shm"
     path.write_bytes(b"segment")
     yield path
     path.unlink(missing_ok=True)
