@@ -3,11 +3,11 @@ batch noise) and the logprob check pass real captures and name samples whose row
 
 from __future__ import annotations
 
-import functools
 import re
 import shutil
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
+from functools import partial
 from pathlib import Path
 
 import ml_dtypes
@@ -127,10 +127,12 @@ def captured_store(
 
 def check(url: Path, server: VerifyServer, *, recompute: bool = False) -> VerifyReport:
     """Every check, with the logprob check of every sample on `server` (or the recompute)."""
-    say = functools.partial(print, flush=True)
-    run = RecomputeCheck.run_check if recompute else LogprobCheck.run_check
-    model_check = functools.partial(run, server=server, count=SAMPLES, seed=0, say=say)
-    report = verify_store(url, **{"recompute" if recompute else "logprobs": model_check}, say=say)
+    say = partial(print, flush=True)
+    kw = dict(server=server, count=SAMPLES, seed=0, say=say)
+    if recompute:
+        report = verify_store(url, recompute=partial(RecomputeCheck.run_check, **kw), say=say)
+    else:
+        report = verify_store(url, logprobs=partial(LogprobCheck.run_check, **kw), say=say)
     print(report.format())
     return report
 
