@@ -121,10 +121,16 @@ def _all_pids() -> list[int]:
     return [int(e.name) for e in os.scandir("/proc") if e.name.isdigit()]
 
 
-def kill_group(pgid: int, members: list[int] | None = None, tracker_timeout: float = 2.0) -> None:
+def kill_group(
+    pgid: int,
+    members: list[int] | None = None,
+    tracker_timeout: float = 2.0,
+    spare: int | None = None,
+) -> None:
     """SIGKILL the group (`members`: its pids, if known), its resource trackers last (they clean
-    up once their clients die)."""
-    members = group_pids(pgid) if members is None else members
+    up once their clients die). `spare`: the one member left alive (a group's supervisor that
+    ends it from inside and exits on its own)."""
+    members = [pid for pid in (group_pids(pgid) if members is None else members) if pid != spare]
     trackers = [pid for pid in members if _is_tracker(pid)]
     for pid in members:
         if pid not in trackers:
@@ -133,8 +139,14 @@ def kill_group(pgid: int, members: list[int] | None = None, tracker_timeout: flo
     deadline = time.monotonic() + tracker_timeout
     while any(_running(pid) for pid in trackers) and time.monotonic() < deadline:
         time.sleep(0.02)
-    with contextlib.suppress(ProcessLookupError):  # gone already
-        os.killpg(pgid, signal.SIGKILL)
+    if spare is None:
+        with contextlib.suppress(ProcessLookupError):  # gone already
+            os.killpg(pgid, signal.SIGKILL)
+        return
+    for pid in group_pids(pgid):  # what appeared meanwhile
+        if pid != spare:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
 
 
 def _is_tracker(pid: int) -> bool:

@@ -1,18 +1,21 @@
 """The server launcher without a server: SGLang reads back the keys it is given, CPU ranks get
-their share of the CPUs, and die_with_parent takes a command down with its starter."""
+their share of the CPUs, and die_with_parent takes a command's whole group down with its starter."""
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import os
+import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
 from sglang.srt.server_args import ServerArgs
 from sglang.srt.utils.server_args_config_parser import ConfigArgumentMerger
 
+from actors.process_group import group_pids
 from actors.sglang_server import ServerSpec, SGLangServer, build_command, build_env, cpu_bind_groups
 from patches.settings import CaptureSettings
 from tests.helpers.processes import kill_and_wait
@@ -33,13 +36,19 @@ def test_sglang_reads_back_every_key_the_launcher_gives_it(tmp_path: Path) -> No
         keys_file.unlink()
 
 
-LAUNCHER = """
+# A server in miniature: a command that starts a child of its own which never asks to die with
+# it (as SGLang's detokenizer, still importing when its server dies), then prints its group.
+SERVER_LIKE = (
+    "import os, subprocess; child = subprocess.Popen(['sleep', '600']); "
+    "print(os.getpgrp(), child.pid, flush=True); os.execvp('sleep', ['sleep', '600'])"
+)
+LAUNCHER = f"""
 import os, subprocess, sys, time
-child = subprocess.Popen(
-    [sys.executable, "-m", "actors.die_with_parent", str(os.getpid()), "--", "sleep", "600"],
+subprocess.Popen(
+    [sys.executable, "-m", "actors.die_with_parent", str(os.getpid()), "--",
+     sys.executable, "-c", {SERVER_LIKE!r}],
     start_new_session=True,
 )
-print(child.pid, flush=True)
 time.sleep(600)
 """
 
@@ -52,17 +61,54 @@ def running(pid: int) -> bool:
         return False
 
 
-def test_die_with_parent_takes_the_command_down_with_its_starter() -> None:
+def running_members(group: int) -> list[int]:
+    return [pid for pid in group_pids(group) if running(pid)]
+
+
+def test_die_with_parent_takes_the_whole_group_down_with_its_starter() -> None:
+    """The supervisor, the command and the child that never asked to die with it: all gone
+    once the starter is SIGKILLed (a PDEATHSIG on the command alone left that child)."""
     starter = subprocess.Popen([sys.executable, "-c", LAUNCHER], stdout=subprocess.PIPE, text=True)
+    group = 0
     try:
-        pid = int(starter.stdout.readline())
-        deadline = time.monotonic() + 30
-        while b"sleep" not in Path(f"/proc/{pid}/cmdline").read_bytes():  # exec'd by now
-            assert time.monotonic() < deadline
-            time.sleep(0.05)
-        kill_and_wait(starter, lambda: running(pid), 10, "the command")
+        group, child = (int(x) for x in starter.stdout.readline().split())
+        assert running(child) and child in group_pids(group)
+        kill_and_wait(starter, lambda: bool(running_members(group)), 10, "the group")
     finally:
         starter.kill()
+        if group:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(group, signal.SIGKILL)
+
+
+def test_die_with_parent_ends_with_its_command_and_takes_what_it_left() -> None:
+    launcher = [sys.executable, "-m", "actors.die_with_parent", str(os.getpid()), "--"]
+    supervisor = subprocess.Popen([*launcher, "sh", "-c", "sleep 600 & exit 3"])
+    try:
+        assert supervisor.wait(timeout=30) == 3
+        assert not running_members(supervisor.pid)  # its group: the sleep left behind went
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(supervisor.pid, signal.SIGKILL)
+    killed = subprocess.run([*launcher, "sh", "-c", "kill -9 $$"], timeout=30)
+    assert killed.returncode == 128 + signal.SIGKILL
+
+
+def test_the_whole_group_goes_when_the_supervisor_itself_is_killed_outright() -> None:
+    """As Ray kills an actor's children when the actor dies: the supervisor gets SIGKILL, and
+    its guard takes the group down, the child that never asked to die with it included."""
+    launcher = [sys.executable, "-m", "actors.die_with_parent", str(os.getpid()), "--"]
+    supervisor = subprocess.Popen(
+        [*launcher, sys.executable, "-c", SERVER_LIKE], stdout=subprocess.PIPE, text=True
+    )
+    try:
+        assert supervisor.stdout is not None
+        group, child = (int(x) for x in supervisor.stdout.readline().split())
+        assert group == supervisor.pid and running(child)
+        kill_and_wait(supervisor, lambda: bool(running_members(group)), 10, "the group")
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(supervisor.pid, signal.SIGKILL)
 
 
 def test_die_with_parent_refuses_to_start_for_a_parent_already_gone() -> None:
