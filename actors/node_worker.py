@@ -72,6 +72,10 @@ RID_PREFIX = "hsx-"  # the plugin captures only requests whose rid starts with i
 DUMPS_PREFIX, LOGS_PREFIX = "hsx-dumps-", "hsx-worker-"  # a worker's folders on its node
 
 
+class WorkerStopping(RuntimeError):
+    """A server restart asked for once the worker began to stop."""
+
+
 class ModelMismatch(RuntimeError):
     """The node's model is not the store's (its config, tokenizer or weights differ)."""
 
@@ -218,9 +222,14 @@ class NodeWorker:
         return self.log_dir / "server.log"
 
     def shutdown(self, keep_log: bool = False) -> None:
-        if self.server is not None:
-            self.server.stop()
-            self.server = None
+        """Stop the server and release the folders. A restart under way in the generation
+        thread (its join may time out) is waited for, and none begins after: one that raced
+        this left a server running and its folders made anew after their release."""
+        self._stopping.set()
+        with self._server_lock:
+            if self.server is not None:
+                self.server.stop()
+                self.server = None
         self.dumps.release()
         self.logs.release(remove=not keep_log)
         reclaim_node(self.config)  # what workers killed meanwhile left (at a job's end: all)
@@ -320,9 +329,12 @@ class NodeWorker:
                 self._restart_server_locked()
 
     def _restart_server_locked(self) -> None:
-        assert self.server is not None
-        tail = self.server.log_tail()
+        tail = None
         while True:
+            # shutdown() takes this lock too: once it is stopping, no start begins.
+            if self._stopping.is_set() or self.server is None:
+                raise WorkerStopping(f"worker {self.id} is stopping: its server is not restarted")
+            tail = self.server.log_tail() if tail is None else tail
             self.restarts += 1
             self.metrics.restarts.inc()
             if self.restarts > self.job.server.restarts:
@@ -677,23 +689,26 @@ def reclaim_node(config: WorkerConfig) -> list[Path]:
 
 
 @ray.remote(num_cpus=0)
-def reclaim_after(config: WorkerConfig, worker_ids: list[str], timeout_s: float = 60.0) -> int:
+def reclaim_after(
+    config: WorkerConfig, worker_ids: list[str], timeout_s: float = 60.0
+) -> tuple[int, list[str]]:
     """The node-level sweep the driver runs at a job's end (cluster/driver.py
     `_reclaim_nodes`). Where `worker_ids` ended without their cleanup (stopped with ray.kill,
     killed, failed): once they are gone (ray.kill returns before the process dies), what they
     left goes, a server segment made just before its server was killed too (once old enough
     to judge). With none (a resumed job's other nodes) one pass: what an earlier
-    submission's workers left. The folders removed."""
+    submission's workers left. The number of folders removed, and the dump folders of
+    `worker_ids` still there after `timeout_s` (their holders live on)."""
     if not worker_ids:  # every worker here cleaned up after itself: one pass, for the others
-        return len(reclaim_node(config))
+        return len(reclaim_node(config)), []
     deadline, removed = time.monotonic() + timeout_s, 0
     while True:
         removed += len(reclaim_node(config))
         left = [
-            folder
+            folder.name
             for worker_id in worker_ids
             for folder in dump_root(config).glob(f"{DUMPS_PREFIX}{worker_id}-*")
         ]
         if not (left or young_orphan_segments()) or time.monotonic() > deadline:
-            return removed
+            return removed, left
         time.sleep(0.5)
