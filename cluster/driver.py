@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import ray
-from ray.exceptions import RayActorError, RayError
+from ray.exceptions import RayActorError, RayError, RayTaskError
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from actors.node_plan import NodePlan
@@ -87,8 +87,13 @@ class Driver:
         if todo or builder is not None:
             q = self.config.queue
 
+            # On the driver's node: Ray may place a 0-CPU actor on any node, and a GPU node
+            # lost (the campaign's replace_node) took the queue, and the driver with it.
+            driver_node = ray.get_runtime_context().get_node_id()
+            here = NodeAffinitySchedulingStrategy(driver_node, soft=False)
+
             def new_queue(shards: list[int], more_coming: bool, **options: Any) -> Any:
-                return ShardQueueActor.remote(
+                return ShardQueueActor.options(scheduling_strategy=here).remote(
                     shards,
                     q.lease_s,
                     q.shard_attempts,
@@ -246,21 +251,39 @@ class Driver:
         node it had workers on, what an earlier submission's workers left: killed with their
         driver, they can die after every worker here last looked. A node lost meanwhile is
         skipped."""
-        sweeps = [
+        sweeps = {
             reclaim_after.options(
                 scheduling_strategy=NodeAffinitySchedulingStrategy(node_id, soft=False)
-            ).remote(self.config.worker, worker_ids)
+            ).remote(self.config.worker, worker_ids): node_id
             for node_id, worker_ids in self.uncleaned.items()
-        ]
+        }
         if not sweeps:
             return
-        ready, _ = ray.wait(sweeps, num_returns=len(sweeps), timeout=RECLAIM_WAIT_S)
-        removed = 0
+        ready, late = ray.wait(list(sweeps), num_returns=len(sweeps), timeout=RECLAIM_WAIT_S)
+        removed, problems = 0, []
         for ref in ready:
-            with contextlib.suppress(RayError):  # the node is gone, and what it held with it
-                removed += ray.get(ref)
+            node = sweeps[ref][:8]
+            try:
+                count, held = ray.get(ref)
+            except RayTaskError as exc:  # the sweep itself failed: said, the job goes on
+                problems.append(f"node {node}: its sweep failed: {str(exc).splitlines()[-1]}")
+                continue
+            except RayError:  # the node is gone, and what it held with it
+                continue
+            removed += count
+            if held:
+                problems.append(
+                    f"node {node}: {', '.join(held)} still held after their workers were "
+                    "stopped (the node's next worker removes them)"
+                )
+        problems += [
+            f"node {sweeps[ref][:8]}: its sweep did not end within {RECLAIM_WAIT_S:.0f} s"
+            for ref in late
+        ]
         if removed:
             self.say(f"removed {removed} folder(s) that stopped or lost workers left behind")
+        for problem in problems:
+            self.say(problem)
 
     def _reap(self, ref: Any, queue: Any) -> None:
         running = self.workers.pop(ref)
