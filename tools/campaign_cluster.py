@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from actors.private_folders import SHM_ROOT
+from patches.settings import ENV_DUMP_DIR
 from tools.fault_injection import DiskFiller
 from tools.ray_head import private_temp_dir
 
@@ -120,3 +121,19 @@ def our_shm_files() -> set[str]:
 
 def our_temp_entries() -> set[str]:
     return {str(p) for p in Path(tempfile.gettempdir()).glob("hsx-*")}
+
+
+def our_processes(dump_root: Path) -> set[str]:
+    """The live processes of servers that dump under `dump_root` (each of a server's processes
+    has its dump folder in its environment): after a job, orphans its workers left."""
+    mark = f"{ENV_DUMP_DIR}={dump_root}/".encode()
+    found = set()
+    for entry in Path("/proc").glob("[0-9]*"):
+        with contextlib.suppress(OSError):  # gone meanwhile, or another user's
+            stat = (entry / "stat").read_text()
+            if stat.rsplit(")", 1)[1].split()[0] == "Z":
+                continue  # dead, waiting to be reaped
+            if any(v.startswith(mark) for v in (entry / "environ").read_bytes().split(b"\0")):
+                command = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode()[:100]
+                found.add(f"process {entry.name} ({command.strip()})")
+    return found

@@ -26,12 +26,12 @@ store is submitted again too.
 Checked at the end of each job: every planned sample committed exactly once, in input order,
 with its own tokens; `verify`'s integrity checks pass; one seeded sample per shard equals an
 independent float32 recompute (HF transformers); the report's counts match the store; nothing
-of ours is left in /dev/shm, the dump root, the workers' log folder or the temp dir. Of the
-generate jobs (tools/campaign_generation.py): every prompt's samples planned once, each part's
-responses written once (one object version), no kept part generated again, each sample its
-stored responses; the greedy job's responses the reference's greedy decode. The seed fixes the
-schedules and the samples checked; what each fault hits depends on the job's progress at that
-moment, which it does not.
+of ours is left in /dev/shm, the dump root, the workers' log folder or the temp dir, and no
+process of a server lives on. Of the generate jobs (tools/campaign_generation.py): every
+prompt's samples planned once, each part's responses written once (one object version), no
+kept part generated again, each sample its stored responses; the greedy job's responses the
+reference's greedy decode. The seed fixes the schedules and the samples checked; what each
+fault hits depends on the job's progress at that moment, which it does not.
 The last line: `CAMPAIGN seed=... faults=... resubmits=... lost=0 duplicated=0 rewritten=0
 regenerated=0 leftovers=0 PASS`.
 """
@@ -61,6 +61,7 @@ from tools.campaign_cluster import (
     NODE_ARGS,
     configure_local_ray,
     dump_file_system,
+    our_processes,
     our_shm_files,
     our_temp_entries,
     ray_cluster,
@@ -111,6 +112,20 @@ def holders(path: str) -> str:
                 command = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ")
                 found.append(f"pid {pid}: {command.decode(errors='replace')[:120].strip()}")
     return "held by " + "; ".join(found) if found else "held by no process"
+
+
+def describe(leftover: str) -> str:
+    """A leftover as a problem line: a file's holders, age and (a folder's) first entries, what
+    tells when and by what it was made; a process as it is."""
+    path = Path(leftover)
+    if leftover.startswith("process ") or not path.exists():
+        return leftover
+    age = time.time() - path.stat().st_mtime
+    line = f"{leftover} ({holders(leftover)}; changed {age:.0f} s ago"
+    if path.is_dir():
+        entries = sorted(str(p.relative_to(path)) for p in path.rglob("*"))
+        line += f"; holds {entries[:6]}{' ...' if len(entries) > 6 else ''}"
+    return line + ")"
 
 
 @dataclass(frozen=True)
@@ -278,6 +293,7 @@ class Campaign:
                 | {str(p) for p in self.dump_root.path.iterdir()}
                 | {str(p) for p in (job.work / "logs").glob("*")}
                 | (our_temp_entries() - temp_before)
+                | our_processes(self.dump_root.path)
             )
 
         # What is still there once the node has settled: the end-of-job sweep removes an unheld
@@ -286,7 +302,7 @@ class Campaign:
         deadline = time.monotonic() + LEFTOVER_SETTLE_S
         while (found := left()) and time.monotonic() < deadline:
             time.sleep(1.0)
-        self.outcome.leftovers += [f"{path} ({holders(path)})" for path in sorted(found)]
+        self.outcome.leftovers += [describe(entry) for entry in sorted(found)]
         self.say(f"== job {plan.name}: {time.monotonic() - started:.0f} s")
 
     def write_config(self, job: Job) -> Path:
