@@ -233,3 +233,4 @@ class FinishedJob:
     followed: list[tuple[str, str]]  # (sample id, digest) as a follow reader yielded them
     follow_ended: str | None  # why that reader stopped
     status_running: dict[str, Any]  # `python -m cluster status` of the job while it ran
+    queue_nodes: dict[str, str]  # each of the job's shard queues (actor id): the node it ran on

@@ -12,6 +12,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 import ray
+import ray._private.state as ray_state
+from ray import JobID
 
 from actors.private_folders import SHM_ROOT
 from cluster import plan_sources
@@ -49,6 +51,7 @@ def deepseek_job(
     # What the killed worker leaves on the node goes at once (its log too).
     raw["worker"].update(node_resource=PAIR_NODE, servers_per_node=2, log_retention_s=0)
     segments_before = server_segments()
+    queues_before = shard_queue_nodes()
     resume_planning, fed = threading.Event(), itertools.count()
     feed = PlanFeed._feed
 
@@ -111,10 +114,21 @@ def deepseek_job(
     ray_cluster.release()
     leftovers = sorted(p.name for p in root.glob("hsx-*"))
     leftovers += sorted(server_segments() - segments_before)
+    queues = {a: node for a, node in shard_queue_nodes().items() if a not in queues_before}
     return FinishedJob(
         root / "s.zarr", rows, log, raw, victim.worker_id, victim.slot, planning_when_captured,
-        leftovers, trainer, followed, reader.ended, status_running,
+        leftovers, trainer, followed, reader.ended, status_running, queues,
     )  # fmt: skip
+
+
+def shard_queue_nodes() -> dict[str, str]:
+    """Every shard queue this process's Ray job made (the actor table keeps dead actors; other
+    tests make queues of their own, unpinned): actor id -> the node it ran on."""
+    job = JobID.from_hex(ray.get_runtime_context().get_job_id())
+    actors = ray_state.actors(job_id=job).values()
+    return {
+        a["ActorID"]: a["Address"]["NodeID"] for a in actors if a["ActorClassName"] == "ShardQueue"
+    }
 
 
 def worker_phases(driver: Driver) -> list[str]:

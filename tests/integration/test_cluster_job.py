@@ -20,12 +20,10 @@ from typing import Any
 import numpy as np
 import pytest
 import ray
-import ray._private.state as ray_state
 import safetensors.torch
 import torch
 import yaml
 import zarr
-from ray import JobID
 from ray.cluster_utils import Cluster
 
 from cluster import plan_sources
@@ -107,12 +105,9 @@ def test_capture_starts_while_planning_and_a_killed_worker_is_replaced_in_its_sl
 
 def test_the_queue_ran_on_the_drivers_node(deepseek_job: FinishedJob) -> None:
     """Not on a GPU node, whose loss would take the queue, and the driver, with it (the fault
-    campaign's replace_node did). Ray's actor table keeps dead actors: every queue of this
-    session's jobs, as the driver placed it."""
+    campaign's replace_node did)."""
     here = ray.get_runtime_context().get_node_id()
-    actors = ray_state.actors(job_id=JobID.from_hex(ray.get_runtime_context().get_job_id()))
-    queues = [a for a in actors.values() if a["ActorClassName"] == "ShardQueue"]
-    assert queues and {a["Address"]["NodeID"] for a in queues} == {here}
+    assert deepseek_job.queue_nodes and set(deepseek_job.queue_nodes.values()) == {here}
 
 
 def test_a_follow_reader_of_the_running_job_yielded_every_stored_sample_once(
