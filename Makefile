@@ -6,6 +6,8 @@
 #   make bench [BENCH=name]   set up, then run every benchmark, or one
 #   make campaign [SEED=n] [CAMPAIGN=--short]   set up, then run the fault campaign (capture and
 #                             generate jobs; short: CI's; times: docs/testing.md)
+#   make proof                set up, then the proof by serving (tools/draft_proof.py): a draft
+#                             trained on our data is accepted by SGLang, shifted layers are not
 #   make docs                 regenerate docs/configuration.md from the config models
 PYTHON ?= python3.11
 VENV := .venv
@@ -23,7 +25,7 @@ BENCH ?=
 SEED ?= 0
 CAMPAIGN ?=
 
-.PHONY: setup demo demo-images test test-fast bench campaign docs lint clean
+.PHONY: setup demo demo-images test test-fast bench campaign proof docs lint clean
 
 setup: $(STAMP) $(TRAINERS_STAMP)
 
@@ -74,6 +76,9 @@ bench: setup
 
 campaign: setup
 	$(PY) -m tools.fault_campaign --seed $(SEED) $(CAMPAIGN)
+
+proof: setup
+	$(PY) -m tools.draft_proof
 
 docs: setup
 	$(PY) -m tools.config_reference

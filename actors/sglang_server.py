@@ -4,10 +4,12 @@
     with SGLangServer(spec, log_path) as server:
         server.session.post(server.url + "/generate", ...)
 
-The command line always carries what capture depends on (SGLang's aux capture,
+The command line carries what capture depends on (SGLang's aux capture,
 `--disable-radix-cache`), a loopback host, a free port and a KV cap; the CPU flags without a
-GPU. The server requires fresh API keys (given in a 0600 file, masked in its log), runs with
-umask 077 and dies with the process that started it (actors/die_with_parent.py).
+GPU. A spec with a `DraftSpec` serves that EAGLE-3 draft instead of capturing (on CPU through
+patches/cpu_eagle3/), one with `plain` decodes without either (the draft benchmark's pair).
+The server requires fresh API keys (given in a 0600 file, masked in its log), runs with umask
+077 and dies with the process that started it (actors/die_with_parent.py).
 
 The flags: docs/design/capture-plugin.md; the keys and files: docs/security.md.
 """
@@ -30,7 +32,26 @@ import torch
 from actors.ports import free_port
 from actors.process_group import group_pids, kill_group, shm_files
 from actors.server_log import RedactedLog
-from patches.settings import CaptureSettings
+from patches.settings import ENV_CPU_EAGLE3, CaptureSettings
+
+
+@dataclass(frozen=True)
+class DraftSpec:
+    """An EAGLE-3 draft served beside the target (`hsx draft-bench`): a chain of `num_steps`
+    draft tokens, verified `num_draft_tokens` at a time (topk 1, what CPU serving runs)."""
+
+    path: Path
+    num_steps: int = 3
+    topk: int = 1
+    num_draft_tokens: int = 4
+
+    def args(self) -> list[str]:
+        return [
+            "--speculative-draft-model-path", str(self.path),
+            "--speculative-num-steps", str(self.num_steps),
+            "--speculative-eagle-topk", str(self.topk),
+            "--speculative-num-draft-tokens", str(self.num_draft_tokens),
+        ]  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -48,10 +69,25 @@ class ServerSpec:
     extra_args: list[str] = field(default_factory=list)
     extra_env: dict[str, str] = field(default_factory=dict)
     device: str | None = None  # None: "cuda" when available, else "cpu"
+    # Serve this draft (speculative decoding) instead of SGLang's aux-state capture path.
+    draft: DraftSpec | None = None
+    # Neither that path nor a draft: plain decoding (the draft benchmark's baseline).
+    plain: bool = False
+
+    def __post_init__(self) -> None:
+        serves = self.draft is not None or self.plain
+        if serves and (self.capture.capture_enabled or self.aux_layer_ids is not None):
+            raise ValueError("a server that decodes plainly or serves a draft captures nothing")
+        if self.draft is not None and self.plain:
+            raise ValueError("a server serves a draft or decodes plainly, not both")
+
+    @property
+    def resolved_device(self) -> str:
+        return self.device or ("cuda" if torch.cuda.is_available() else "cpu")
 
 
 def build_command(spec: ServerSpec, port: int, keys_file: Path) -> list[str]:
-    device = spec.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    device = spec.resolved_device
     cmd = [
         sys.executable, "-m", "sglang.launch_server",
         "--config", str(keys_file),  # the API keys: never on the command line
@@ -60,13 +96,15 @@ def build_command(spec: ServerSpec, port: int, keys_file: Path) -> list[str]:
         "--port", str(port),
         "--tp-size", str(spec.tp_size),
         "--dp-size", str(spec.dp_size),
-        "--enable-return-aux-hidden-states",
-        "--speculative-algorithm", "EAGLE3",
         "--disable-radix-cache",
         # An idle scheduler waits on its sockets instead of spinning: measured here, an idle
         # CPU server took a whole core (101%) without it, 1.7% with it; a request wakes it.
         "--sleep-on-idle",
     ]  # fmt: skip
+    if spec.draft is not None:
+        cmd += ["--speculative-algorithm", "EAGLE3", *spec.draft.args()]
+    elif not spec.plain:  # capture: SGLang returns aux states only on its EAGLE-3 path
+        cmd += ["--enable-return-aux-hidden-states", "--speculative-algorithm", "EAGLE3"]
     if spec.aux_layer_ids is not None:
         cmd += ["--return-aux-hidden-state-layer-ids", *map(str, spec.aux_layer_ids)]
     if spec.max_total_tokens is not None:
@@ -84,10 +122,12 @@ def build_env(spec: ServerSpec) -> dict[str, str]:
         if key.startswith("HIDDEN_CAPTURE_"):
             del env[key]  # the spec, not the caller's environment, configures the plugin
     env.update(spec.capture.to_env())
+    if spec.draft is not None and spec.resolved_device == "cpu":
+        env[ENV_CPU_EAGLE3] = "1"  # the plugin's CPU EAGLE-3 ops and attention modes
     # Ray caps OMP_NUM_THREADS at its worker's CPU count (1 by default) and a server started
     # from an actor would inherit it: measured here, that halved CPU prefill throughput.
     env.pop("OMP_NUM_THREADS", None)
-    if (spec.device or ("cuda" if torch.cuda.is_available() else "cpu")) == "cpu":
+    if spec.resolved_device == "cpu":
         env["SGLANG_USE_CPU_ENGINE"] = "1"  # without it SGLang's CPU path imports vllm
         ranks = spec.tp_size * spec.dp_size
         if ranks > 1 and "SGLANG_CPU_OMP_THREADS_BIND" not in env:

@@ -19,6 +19,7 @@ from cluster.status import show_status
 from cluster.verify.command import verify_command
 from hsx_store.builder import PlanDiverged
 from hsx_store.export.command import export_command
+from hsx_store.export.sglang_draft import draft_convert_command
 from hsx_store.format import StoreFormatError
 from hsx_store.location import StoreAccessError
 
@@ -58,6 +59,34 @@ def run(args: argparse.Namespace) -> int:
         return 2
 
 
+def draft_bench(args: argparse.Namespace) -> int:
+    from actors.sglang_server import ServerError
+    from cluster.draft_bench import DraftBenchConfig, draft_bench, print_report
+
+    config = DraftBenchConfig(
+        target=Path(args.model),
+        draft=Path(args.draft),
+        data=list(args.data),
+        max_new_tokens=args.max_new_tokens,
+        limit=args.limit,
+        num_steps=args.num_steps,
+        num_draft_tokens=args.num_steps + 1,
+        concurrency=args.concurrency,
+        server_args=list(args.server_args),
+        device=args.device,
+        log_dir=Path(args.log_dir) if args.log_dir else None,
+    )
+    try:
+        report = draft_bench(config, say=lambda text: print(text, flush=True))
+    except (ValueError, PlanError, ServerError) as exc:
+        print(f"error: {exc}", file=sys.stderr, flush=True)
+        return 2
+    print_report(report)
+    if args.json:
+        Path(args.json).write_text(json.dumps(report, indent=1) + "\n")
+    return 0
+
+
 COMMANDS: dict[str, Callable[[argparse.Namespace], int]] = {
     "run": run,
     "verify": lambda args: verify_command(
@@ -79,6 +108,10 @@ COMMANDS: dict[str, Callable[[argparse.Namespace], int]] = {
     ),
     "status": lambda args: show_status(
         args.store, follow=args.follow, interval_s=args.interval, as_json=args.json
+    ),
+    "draft-bench": draft_bench,
+    "draft-convert": lambda args: draft_convert_command(
+        args.draft, args.store, args.out, model=args.model, layer_shift=args.layer_shift
     ),
 }
 

@@ -15,6 +15,14 @@ export --store URL --format {specforge,speculators} --out DIR [--allow-post-norm
 status --store URL [--follow] [--json]
     what the store says about its job, while it runs or after; exit 0: complete, 1: not
     (yet), 2: not a readable store
+draft-convert --draft DIR --store URL --out DIR [--model PATH] [--layer-shift K]
+    a draft speculators trained on the store's export, made into the EAGLE-3 draft SGLang
+    serves; exit 0: written, 1: the draft refused (SGLang would run another forward, or it
+    was made for other data; each reason printed), 2: the store cannot be read, or an input
+    cannot be used
+draft-bench --model PATH --draft DIR --data FILE... [--max-new-tokens N] [--limit N] [--json F]
+    serve the target with and without the draft and measure how many draft tokens it accepts;
+    exit 0: measured, 2: a bad input (no prompt, a model or draft that cannot be served)
 """
 
 from __future__ import annotations
@@ -22,6 +30,7 @@ from __future__ import annotations
 import argparse
 
 from hsx_store.export.registry import FORMATS
+from hsx_store.export.sglang_draft import LAYER_SHIFT_FLAG
 from hsx_store.export.speculators import ALLOW_POST_NORM_FLAG
 
 VERIFY = """\
@@ -45,6 +54,34 @@ machine asks.
 
 exit 0: the job is complete; 1: not (yet); 2: not a readable store, or a bad command line
 """
+DRAFT_CONVERT = """\
+Make a draft that vLLM speculators 0.9.0 trained on the store's export (its save_pretrained
+directory) into the EAGLE-3 draft SGLang serves (LlamaForCausalLMEagle3): DIR/config.json and
+DIR/model.safetensors, for --speculative-draft-model-path DIR.
+
+The draft's aux layer ids come from the store's manifest, as SGLang asks the target for them
+(Llama-family targets add 1 to each, DeepSeek-style ones take them as given unless the first
+is 1): the target's config is read from --model, else from the manifest's model path, and must
+be the model that made the store. A draft SGLang would run with another forward than the one
+trained (norm_before_residual, sliding-window layers, its own embeddings, ...) is refused with
+the reason and how to train one it runs as trained (see hsx_store/export/sglang_draft.py).
+
+exit 0: written; 1: the draft refused; 2: the store cannot be read, an input cannot be used
+(the draft's files, the target model, the output directory), or a bad command line
+"""
+
+
+DRAFT_BENCH = """\
+Serve the target greedily twice through this project's launcher, alone and with the EAGLE-3
+draft (SGLang's format: hsx draft-convert), on the prompts the way a generating job plans them
+(any input format, the chat template applied), and print the accept length (tokens per verify
+step, the bonus token included; per request too), the per-position acceptance (the share of
+verify steps whose first k drafts were all accepted), tokens/s both ways and whether the
+outputs were identical (greedy speculative decoding is lossless: float32 must be, bf16 may
+differ at near-ties). On a GPU where there is one, else on CPU (patches/cpu_eagle3/).
+
+exit 0: measured; 2: no prompt to benchmark, or a server that would not start
+"""
 
 
 def build_parser(prog: str) -> argparse.ArgumentParser:
@@ -57,6 +94,8 @@ def build_parser(prog: str) -> argparse.ArgumentParser:
     _add_verify(commands)
     _add_export(commands)
     _add_status(commands)
+    _add_draft_convert(commands)
+    _add_draft_bench(commands)
     return parser
 
 
@@ -160,6 +199,60 @@ def _add_status(commands: argparse._SubParsersAction) -> None:
         "--interval", type=positive_seconds, default=10.0, help="seconds (with --follow)"
     )
     status.add_argument("--json", action="store_true", help="print JSON, one object a look")
+
+
+def _add_draft_convert(commands: argparse._SubParsersAction) -> None:
+    summary = "make a speculators draft into the EAGLE-3 draft SGLang serves"
+    convert = _command(commands, "draft-convert", summary, DRAFT_CONVERT)
+    convert.add_argument(
+        "--draft",
+        required=True,
+        metavar="DIR",
+        help="the draft speculators saved (save_pretrained)",
+    )
+    convert.add_argument("--out", required=True, metavar="DIR", help="SGLang's draft directory")
+    convert.add_argument(
+        "--model",
+        metavar="PATH",
+        help="the target model's directory (default: the manifest's model path)",
+    )
+    convert.add_argument(
+        LAYER_SHIFT_FLAG,
+        type=int,
+        default=0,
+        metavar="K",
+        help="a diagnostic: serve the draft with every aux layer id shifted by K, so it reads "
+        "other layers than it was trained on (acceptance should drop); default 0",
+    )
+
+
+def _add_draft_bench(commands: argparse._SubParsersAction) -> None:
+    summary = "how many of a draft's tokens SGLang accepts, served beside its target"
+    bench = _command(commands, "draft-bench", summary, DRAFT_BENCH, store=False)
+    bench.add_argument("--model", required=True, metavar="PATH", help="the target's directory")
+    bench.add_argument("--draft", required=True, metavar="DIR", help="SGLang's draft directory")
+    bench.add_argument("--data", required=True, nargs="+", metavar="FILE", help="held-out prompts")
+    bench.add_argument("--max-new-tokens", type=int, default=128, metavar="N")
+    bench.add_argument("--limit", type=int, metavar="N", help="the first N prompts only")
+    bench.add_argument("--num-steps", type=int, default=3, help="draft tokens per verify step")
+    bench.add_argument(
+        "--concurrency",
+        type=int,
+        default=1,
+        metavar="N",
+        help="requests in flight (1: the latency a draft is for)",
+    )
+    bench.add_argument(
+        "--server-arg",
+        dest="server_args",
+        action="append",
+        default=[],
+        metavar="ARG",
+        help="extra SGLang argument, once per word: --server-arg=--dtype --server-arg=float32",
+    )
+    bench.add_argument("--device", choices=["cuda", "cpu"], help="default: cuda where there is one")
+    bench.add_argument("--log-dir", metavar="DIR", help="the servers' logs (default: a temp dir)")
+    bench.add_argument("--json", metavar="FILE", help="also write the report as one JSON object")
 
 
 def positive_seconds(text: str) -> float:

@@ -173,7 +173,7 @@ def draft_model(verifier: str, layer_ids: list[int], ttt_steps: int) -> torch.nn
         verifier_name_or_path=verifier,
         draft_attn_impl="sdpa",  # its default, flex attention, compiles a kernel
         draft_vocab_size=AutoConfig.from_pretrained(verifier).vocab_size,
-        norm_before_residual=True,
+        norm_before_residual=False,  # the forward SGLang serves (hsx draft-convert)
         ttt_steps=ttt_steps,
     )
 

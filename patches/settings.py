@@ -16,6 +16,9 @@ ENV_MAX_PENDING_BYTES = "HIDDEN_CAPTURE_MAX_PENDING_BYTES"
 ENV_MLA_CPU_FIX = "HIDDEN_CAPTURE_MLA_CPU_FIX"
 ENV_MAX_TOKENS = "HIDDEN_CAPTURE_MAX_TOKENS"
 ENV_QUANTIZE = "HIDDEN_CAPTURE_QUANTIZE"
+# "1": the server serves an EAGLE-3 draft on SGLang's CPU engine (patches/cpu_eagle3/); our
+# launcher sets it for a draft on CPU, a user starting SGLang by hand sets it too.
+ENV_CPU_EAGLE3 = "HIDDEN_CAPTURE_CPU_EAGLE3"
 ENV_CPU_ENGINE = "SGLANG_USE_CPU_ENGINE"  # SGLang's own: "1" runs its CPU engine
 
 QUANTIZE_FORMATS = ("fp8_e4m3",)  # hsx_store/fp8.py: the store's FP8 rows
@@ -39,6 +42,7 @@ class CaptureSettings:
     # "fp8_e4m3": dumps hold the hidden states quantized as an FP8 store keeps them (on a GPU,
     # on the side stream that copies them out). None: as served.
     quantize: str | None = None
+    cpu_eagle3: bool = False
 
     def __post_init__(self) -> None:
         if self.quantize is not None and self.quantize not in QUANTIZE_FORMATS:
@@ -64,6 +68,7 @@ class CaptureSettings:
             mla_cpu_fix=env.get(ENV_MLA_CPU_FIX, "1") != "0",
             max_tokens=int(env[ENV_MAX_TOKENS]) if env.get(ENV_MAX_TOKENS) else None,
             quantize=env.get(ENV_QUANTIZE) or None,
+            cpu_eagle3=env.get(ENV_CPU_EAGLE3) == "1",
         )
 
     def to_env(self) -> dict[str, str]:
@@ -79,4 +84,6 @@ class CaptureSettings:
             env[ENV_MAX_TOKENS] = str(self.max_tokens)
         if self.quantize is not None:
             env[ENV_QUANTIZE] = self.quantize
+        if self.cpu_eagle3:
+            env[ENV_CPU_EAGLE3] = "1"
         return env

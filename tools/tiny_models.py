@@ -6,7 +6,9 @@ Each model lands in OUT_DIR/<name>/ as an ordinary HF checkpoint (config.json, b
 tokenizer files with a chat template; `qwen25-vl-tiny` and `kimi-k25-tiny` also a processor)
 that both SGLang and transformers load (`kimi-k25-tiny`'s SGLang processor is remote code: the
 server needs --trust-remote-code). The same seed gives the same bytes, so a directory made
-once can be re-used (`ensure_models` skips what is there).
+once can be re-used (`ensure_models` skips what is there). One is not random: `llama-trained`
+is trained here (about two minutes on two CPU cores) on a corpus of rules
+(tools/trained_target.py), so that its greedy answers are predictable and a draft can learn them.
 """
 
 from __future__ import annotations
@@ -25,6 +27,8 @@ from transformers import (
     PretrainedConfig,
     PreTrainedTokenizerFast,
 )
+
+from tools import trained_target
 
 SEED = 1234
 VOCAB_SIZE = 1024
@@ -224,6 +228,33 @@ def write_model(name: str, out_dir: Path, tokenizer: PreTrainedTokenizerFast) ->
     tokenizer.save_pretrained(path)
     _mark_complete(path, name)
     return path
+
+
+def write_trained(name: str, out_dir: Path, tokenizer: PreTrainedTokenizerFast) -> Path:
+    """llama_config's shape, trained in float32 on the rules corpus, saved in bf16 as the others;
+    its generation config also ends a turn at <|im_end|>, as a chat model's does."""
+    config = llama_config(tokenizer, hidden=TRAINED_HIDDEN, layers=TRAINED_LAYERS)
+    torch.manual_seed(SEED)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    stats = trained_target.train(model, tokenizer)
+    model = model.to(torch.bfloat16)
+    im_end = tokenizer.convert_tokens_to_ids("<|im_end|>")
+    model.generation_config.eos_token_id = [tokenizer.eos_token_id, im_end]
+    path = out_dir / name
+    model.save_pretrained(path, safe_serialization=True)
+    tokenizer.save_pretrained(path)
+    report = trained_target.report(stats, trained_target.evaluate(model, tokenizer))
+    (path / trained_target.REPORT_FILE).write_text(json.dumps(report, indent=2))
+    _mark_complete(path, name)
+    return path
+
+
+# Six layers: EAGLE-3's aux layers [2, L // 2, L - 3] are three different ones.
+TRAINED_HIDDEN, TRAINED_LAYERS = 128, 6
+# Models trained here on the tokenizer above: name -> writer (name, out_dir, tokenizer).
+TRAINED_PRESETS: dict[str, Callable[[str, Path, PreTrainedTokenizerFast], Path]] = {
+    "llama-trained": write_trained,
+}
 
 
 def _mark_complete(path: Path, name: str) -> None:
@@ -610,7 +641,7 @@ MULTIMODAL_PRESETS: dict[str, Callable[[str, Path], Path]] = {
     "qwen25-vl-tiny": write_qwen25_vl,
     "kimi-k25-tiny": write_kimi_k25,
 }
-MODELS = (*PRESETS, *MULTIMODAL_PRESETS)
+MODELS = (*PRESETS, *TRAINED_PRESETS, *MULTIMODAL_PRESETS)
 
 
 def ensure_models(out_dir: Path, names: Iterable[str] = MODELS) -> dict[str, Path]:
@@ -618,10 +649,14 @@ def ensure_models(out_dir: Path, names: Iterable[str] = MODELS) -> dict[str, Pat
     out_dir.mkdir(parents=True, exist_ok=True)
     names = list(names)
     missing = [n for n in names if _version(out_dir / n) != MODEL_VERSION]
-    tokenizer = make_tokenizer() if any(n in PRESETS for n in missing) else None
+    ours = (*PRESETS, *TRAINED_PRESETS)
+    tokenizer = make_tokenizer() if any(n in ours for n in missing) else None
     for name in missing:
         if name in MULTIMODAL_PRESETS:
             MULTIMODAL_PRESETS[name](name, out_dir)
+        elif name in TRAINED_PRESETS:
+            assert tokenizer is not None
+            TRAINED_PRESETS[name](name, out_dir, tokenizer)
         else:
             assert tokenizer is not None
             write_model(name, out_dir, tokenizer)

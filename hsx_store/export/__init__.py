@@ -15,4 +15,6 @@ what was written, and a directory made from anything else is refused (`ExportCon
     record.py       export.json: identity, conflicts, the samples exported
     files.py        atomic files, the temporaries of interrupted runs, the directory's lock
     command.py      the command line's export, as an exit status
+    sglang_draft.py the way back: a draft speculators trained on such an export, made into the
+                    EAGLE-3 draft SGLang serves (`python -m cluster draft-convert`)
 """

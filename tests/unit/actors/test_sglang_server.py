@@ -16,8 +16,15 @@ from sglang.srt.server_args import ServerArgs
 from sglang.srt.utils.server_args_config_parser import ConfigArgumentMerger
 
 from actors.process_group import group_pids
-from actors.sglang_server import ServerSpec, SGLangServer, build_command, build_env, cpu_bind_groups
-from patches.settings import CaptureSettings
+from actors.sglang_server import (
+    DraftSpec,
+    ServerSpec,
+    SGLangServer,
+    build_command,
+    build_env,
+    cpu_bind_groups,
+)
+from patches.settings import ENV_CPU_EAGLE3, CaptureSettings
 from tests.helpers.processes import kill_and_wait
 
 
@@ -134,3 +141,44 @@ def test_a_cpu_server_with_several_ranks_binds_each_to_its_share_of_the_cpus(
     assert build_env(two)["SGLANG_CPU_OMP_THREADS_BIND"].count("|") == 1
     one = ServerSpec(model_path=Path("m"), capture=capture, device="cpu")
     assert "SGLANG_CPU_OMP_THREADS_BIND" not in build_env(one)  # SGLang's own NUMA binding
+
+
+def parsed_command(spec: ServerSpec, tmp_path: Path) -> argparse.Namespace:
+    """The launcher's command line as SGLang's own parser reads it (keys file merged)."""
+    parser = argparse.ArgumentParser()
+    ServerArgs.add_cli_args(parser)
+    keys_file = SGLangServer(spec, tmp_path / "server.log")._write_keys()
+    argv = build_command(spec, 30000, keys_file)[3:]
+    return parser.parse_args(ConfigArgumentMerger(parser).merge_config_with_args(argv))
+
+
+def test_a_draft_server_serves_the_draft_and_captures_nothing(tmp_path: Path) -> None:
+    off = CaptureSettings.from_env({})
+    draft = DraftSpec(tmp_path / "draft", num_steps=3, num_draft_tokens=4)
+    spec = ServerSpec(model_path=tmp_path, capture=off, device="cpu", draft=draft)
+    args = parsed_command(spec, tmp_path)
+    assert args.speculative_algorithm == "EAGLE3"
+    assert args.speculative_draft_model_path == str(tmp_path / "draft")
+    assert (args.speculative_num_steps, args.speculative_eagle_topk) == (3, 1)
+    assert args.speculative_num_draft_tokens == 4
+    assert not args.enable_return_aux_hidden_states
+    # On CPU the plugin's EAGLE-3 ops and attention modes are asked for; not for capture.
+    assert build_env(spec)[ENV_CPU_EAGLE3] == "1"
+    capture = ServerSpec(model_path=tmp_path, capture=off, device="cpu")
+    assert ENV_CPU_EAGLE3 not in build_env(capture)
+    assert parsed_command(capture, tmp_path).enable_return_aux_hidden_states
+
+
+def test_a_plain_server_neither_captures_nor_speculates(tmp_path: Path) -> None:
+    spec = ServerSpec(model_path=tmp_path, capture=CaptureSettings.from_env({}), plain=True)
+    args = parsed_command(spec, tmp_path)
+    assert args.speculative_algorithm is None and not args.enable_return_aux_hidden_states
+
+
+def test_a_server_captures_or_serves_a_draft_not_both(tmp_path: Path) -> None:
+    capture = CaptureSettings(tmp_path, "hsx-", 1 << 20, True)
+    with pytest.raises(ValueError, match="captures nothing"):
+        ServerSpec(model_path=tmp_path, capture=capture, draft=DraftSpec(tmp_path))
+    with pytest.raises(ValueError, match="not both"):
+        off = CaptureSettings.from_env({})
+        ServerSpec(model_path=tmp_path, capture=off, draft=DraftSpec(tmp_path), plain=True)

@@ -14,6 +14,7 @@ OPTIONS = {
     "verify": ["--store URL", "--model", "--recompute N", "--logprobs N", "--server-arg ARG"],
     "export": ["--store URL", "--format {specforge,speculators}", "--out DIR", "--follow"],
     "status": ["--store URL", "--follow", "--interval", "--json"],
+    "draft-convert": ["--draft DIR", "--store URL", "--out DIR", "--model PATH", "--layer-shift K"],
 }
 
 
