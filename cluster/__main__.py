@@ -72,6 +72,7 @@ def draft_bench(args: argparse.Namespace) -> int:
         num_steps=args.num_steps,
         num_draft_tokens=args.num_steps + 1,
         concurrency=args.concurrency,
+        dtype=args.dtype,
         server_args=list(args.server_args),
         device=args.device,
         log_dir=Path(args.log_dir) if args.log_dir else None,

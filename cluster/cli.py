@@ -250,6 +250,9 @@ def _add_draft_bench(commands: argparse._SubParsersAction) -> None:
         metavar="ARG",
         help="extra SGLang argument, once per word: --server-arg=--dtype --server-arg=float32",
     )
+    bench.add_argument(
+        "--dtype", help="both servers' dtype (default: the draft's, which is the store's)"
+    )
     bench.add_argument("--device", choices=["cuda", "cpu"], help="default: cuda where there is one")
     bench.add_argument("--log-dir", metavar="DIR", help="the servers' logs (default: a temp dir)")
     bench.add_argument("--json", metavar="FILE", help="also write the report as one JSON object")

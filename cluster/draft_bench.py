@@ -17,6 +17,7 @@ each greedily twice through our own launcher: plain, and with the draft (EAGLE-3
 
 from __future__ import annotations
 
+import json
 import statistics
 import tempfile
 import time
@@ -44,7 +45,10 @@ class DraftBenchConfig:
     limit: int | None = None  # the first N prompts the plan accepts; None: all
     num_steps: int = 3
     num_draft_tokens: int = 4
-    server_args: list[str] = field(default_factory=list)  # e.g. ["--dtype", "float32"]
+    # Both servers' dtype; None: the draft's own (hsx draft-convert writes the store's capture
+    # dtype), since SGLang's `--dtype auto` serves a float32 config in float16.
+    dtype: str | None = None
+    server_args: list[str] = field(default_factory=list)  # more SGLang arguments, word by word
     # Requests in flight: 1 measures the latency a draft is for; more fill batches (faster,
     # the same greedy tokens up to float ties in the batch's sums).
     concurrency: int = 1
@@ -164,6 +168,18 @@ def summarize(
     }
 
 
+def draft_dtype(draft: Path) -> str:
+    """The dtype a draft's config names (`dtype`; older configs: `torch_dtype`)."""
+    try:
+        config = json.loads((draft / "config.json").read_text())
+    except OSError as exc:
+        raise ValueError(f"{draft} is not a draft directory: {exc.strerror}") from None
+    dtype = config.get("dtype") or config.get("torch_dtype")
+    if not isinstance(dtype, str):
+        raise ValueError(f"{draft}/config.json names no dtype: pass one (--dtype)")
+    return dtype
+
+
 def draft_bench(config: DraftBenchConfig, say: Callable[[str], None] = print) -> dict[str, Any]:
     """The report of `config.draft` against the target alone."""
     return bench_drafts(config, {"draft": config.draft}, say)["draft"]
@@ -183,11 +199,13 @@ def bench_drafts(
     log_dir = config.log_dir or Path(tempfile.mkdtemp(prefix="hsx-draft-bench-"))
     log_dir.mkdir(parents=True, exist_ok=True)
 
+    dtype = config.dtype or draft_dtype(next(iter(drafts.values())))
+
     def run(log_name: str, **kind: Any) -> tuple[list[dict[str, Any]], float]:
         spec = ServerSpec(
             config.target,
             CaptureSettings.from_env({}),  # capture off
-            extra_args=list(config.server_args),
+            extra_args=["--dtype", dtype, *config.server_args],
             device=config.device,
             **kind,
         )
@@ -209,6 +227,7 @@ def bench_drafts(
             "num_draft_tokens": config.num_draft_tokens,
             "max_new_tokens": config.max_new_tokens,
             "concurrency": config.concurrency,
+            "dtype": dtype,
             "server_args": list(config.server_args),
         }
         reports[name] = report

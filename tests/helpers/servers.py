@@ -27,6 +27,7 @@ SERVED_MODEL_MODULES = {
     "DeepseekV3ForCausalLM": "deepseek_v2",
     "Qwen2_5_VLForConditionalGeneration": "qwen2_5_vl",
     "KimiK25ForConditionalGeneration": "kimi_k25",
+    "LlamaForCausalLMEagle3": "llama_eagle3",  # the drafts hsx draft-convert writes
 }
 
 

@@ -138,3 +138,32 @@ def test_the_unit_tests_drafts_have_speculators_layout(
                 {n: (f.get_slice(n).get_shape(), f.get_slice(n).get_dtype()) for n in f.keys()}  # noqa: SIM118
             )
     assert layouts[0] == layouts[1]
+
+
+@pytest.mark.usefixtures("start_server")  # its two servers: marked as the server tier
+def test_draft_bench_serves_a_converted_draft_beside_its_target_losslessly(
+    converted: dict, llama_path: Path, tmp_path: Path
+) -> None:
+    """`hsx draft-bench` end to end on CPU (patches/cpu_eagle3/): the target alone and with a
+    (random) draft, float32 from the draft's config: the same greedy tokens either way, and
+    the report's numbers agree with one another."""
+    prompts = tmp_path / "prompts.jsonl"
+    rows = [
+        {"messages": [{"role": "user", "content": "Count from 1 to 9."}]},
+        {"text": "The capital of France is"},
+    ]
+    prompts.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    report_path = tmp_path / "report.json"
+    args = ["--model", llama_path, "--draft", converted["root"] / "sglang" / "plain",
+            "--data", prompts, "--max-new-tokens", "24", "--concurrency", "2",
+            "--log-dir", tmp_path / "logs", "--json", report_path]  # fmt: skip
+    assert main(["draft-bench", *map(str, args)]) == 0
+    report = json.loads(report_path.read_text())
+    assert report["identical"] and report["identical_requests"] == 2  # lossless in float32
+    assert report["config"]["dtype"] == "float32"
+    histogram, steps = report["correct_drafts_histogram"], report["requests"]
+    assert sum(histogram) == sum(r["verify_steps"] for r in steps) > 0
+    tokens = sum(r["completion_tokens"] for r in steps)
+    assert report["accept_length"] == pytest.approx(tokens / sum(histogram))
+    assert len(report["per_position"]) == 3 and 1.0 >= report["per_position"][0] >= 0.0
+    assert report["tokens_per_s"] > 0 and report["tokens_per_s_baseline"] > 0
