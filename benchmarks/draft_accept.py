@@ -1,6 +1,6 @@
 """Accept length of a draft trained on our data, served by SGLang beside its target.
 
-    make bench BENCH=draft_accept        # ~20 min on 2 cores: one capture, five rounds
+    make bench BENCH=draft_accept        # ~28 min on 2 cores: one capture, five rounds
 
 The proof by serving's pipeline (tools/draft_proof.py: the trained tiny target, a capture job
 through `ray job submit`, the speculators export, speculators' CPU training, hsx draft-convert,
