@@ -17,7 +17,6 @@ each greedily twice through our own launcher: plain, and with the draft (EAGLE-3
 
 from __future__ import annotations
 
-import json
 import statistics
 import tempfile
 import time
@@ -31,6 +30,7 @@ from actors.config import GenerateConfig
 from actors.sglang_server import DraftSpec, ServerSpec, SGLangServer
 from cluster.config import DataConfig
 from cluster.plan import PlanStream, Reject, Sample
+from hsx_store.layers import ModelConfigError, model_config
 from patches.settings import CaptureSettings
 
 REQUEST_TIMEOUT_S = 600.0
@@ -171,9 +171,9 @@ def summarize(
 def draft_dtype(draft: Path) -> str:
     """The dtype a draft's config names (`dtype`; older configs: `torch_dtype`)."""
     try:
-        config = json.loads((draft / "config.json").read_text())
-    except OSError as exc:
-        raise ValueError(f"{draft} is not a draft directory: {exc.strerror}") from None
+        config = model_config(draft)
+    except ModelConfigError as exc:
+        raise ValueError(f"{draft} is not a draft directory: {exc}") from None
     dtype = config.get("dtype") or config.get("torch_dtype")
     if not isinstance(dtype, str):
         raise ValueError(f"{draft}/config.json names no dtype: pass one (--dtype)")

@@ -155,15 +155,10 @@ def read_draft(draft_dir: Path) -> tuple[dict[str, Any], dict[str, torch.Tensor]
     from safetensors import SafetensorError
     from safetensors.torch import load_file
 
-    path = draft_dir / "config.json"
     try:
-        config = json.loads(path.read_text())
-    except FileNotFoundError:
-        raise DraftInputError(f"{path} does not exist: not a saved speculators draft") from None
-    except (OSError, ValueError) as exc:
-        raise DraftInputError(f"{path} cannot be read: {exc}") from None
-    if not isinstance(config, dict):
-        raise DraftInputError(f"{path} is not a JSON object")
+        config = model_config(draft_dir)
+    except ModelConfigError as exc:
+        raise DraftInputError(f"{exc}: not a saved speculators draft") from None
     try:
         files = sorted(set(tensor_files(draft_dir).values()))
         tensors = {k: v for f in files for k, v in load_file(f).items()}
