@@ -44,6 +44,7 @@ from hsx_store.location import describe_failure
 
 RECLAIM_WAIT_S = 90.0  # the job's end waits this long at most for its nodes' sweeps
 STATUS_WAIT_S = 5.0  # for the workers' answers to `status`
+CREATION_WAIT_S = 60.0  # a worker is killed once created (see Driver._kill), or after this
 
 
 @dataclass
@@ -208,10 +209,10 @@ class Driver:
                 progress.update(line, state, committed)
 
     def _stop_workers(self, why: str) -> None:
-        for ref, running in list(self.workers.items()):
+        for running in self.workers.values():
             self.say(f"{running.worker_id}: stopping it ({why})")
-            self._kill(running)
-            del self.workers[ref]
+        self._kill(*self.workers.values())
+        self.workers.clear()
 
     def _stop_starting_workers(self) -> None:
         """Once every shard is done, a worker still starting holds no shard and has nothing to
@@ -227,23 +228,39 @@ class Driver:
                     starting.append(asked[state])
         for ref, worker in starting:
             self.say(f"{worker.worker_id}: stopping it (still starting when every shard was done)")
-            self._kill(worker)
             del self.workers[ref]
+        self._kill(*(worker for _, worker in starting))
 
     def _stop_lingering_workers(self) -> None:
-        for ref, running in list(self.workers.items()):
+        for running in self.workers.values():
             self.say(
                 f"{running.worker_id}: still busy {self.config.driver.finish_grace_s:.0f} s after "
                 "every shard was done (a straggler whose shard a duplicate committed); stopping it"
             )
-            self._kill(running)
-            del self.workers[ref]
+        self._kill(*self.workers.values())
+        self.workers.clear()
 
-    def _kill(self, running: _Running) -> None:
-        """Stop a worker at once. No cleanup of its own runs (Ray documents it): the node's
-        sweep at the job's end (_reclaim_nodes) removes what it left."""
-        ray.kill(running.handle, no_restart=True)
-        self.uncleaned.setdefault(running.node_id, []).append(running.worker_id)
+    def _kill(self, *workers: _Running) -> None:
+        """Stop workers at once. No cleanup of their own runs (Ray documents it): the node's
+        sweep at the job's end (_reclaim_nodes) removes what they left, but only what is there
+        when it looks. So an actor is killed only once created (a call of it answered, or its
+        failure known): Ray promises no order between a kill and a creation under way, and a
+        worker whose __init__ ended after the sweep looked would leave folders no sweep sees
+        (the likeliest reading of a CI campaign's leftover: a worker's empty dump folder and
+        its server's log, made seconds before the job's end). One not created within
+        CREATION_WAIT_S is killed anyway, and said."""
+        if not workers:
+            return
+        created = {w.handle.status.remote(): w for w in workers}
+        _, late = ray.wait(list(created), num_returns=len(created), timeout=CREATION_WAIT_S)
+        for ref in late:
+            self.say(
+                f"{created[ref].worker_id}: not created within {CREATION_WAIT_S:.0f} s; killed "
+                "anyway (what it makes after is removed by its node's next worker)"
+            )
+        for running in workers:
+            ray.kill(running.handle, no_restart=True)
+            self.uncleaned.setdefault(running.node_id, []).append(running.worker_id)
 
     def _reclaim_nodes(self) -> None:
         """On each node where this job's workers ended without their cleanup, remove what they

@@ -43,6 +43,7 @@ import contextlib
 import json
 import os
 import random
+import re
 import signal
 import subprocess
 import sys
@@ -112,6 +113,25 @@ def holders(path: str) -> str:
                 command = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ")
                 found.append(f"pid {pid}: {command.decode(errors='replace')[:120].strip()}")
     return "held by " + "; ".join(found) if found else "held by no process"
+
+
+# A worker's id in its folders' names (actors/node_worker.py): host, node, slot, incarnation.
+WORKER_ID = re.compile(r"hsx-(?:dumps|worker)-(\S+?-s\d+-w\d+)-")
+
+
+def said_of_leftovers(leftovers: set[str], driver_log: Path) -> list[str]:
+    """What the driver said of the workers whose folders were left (every submission's lines
+    naming them): the story a leftover's age and holders alone do not tell."""
+    workers = sorted({m.group(1) for entry in leftovers if (m := WORKER_ID.search(entry))})
+    if not workers or not driver_log.exists():
+        return []
+    lines = driver_log.read_text(errors="replace").splitlines()
+    return [
+        f"the driver of {worker}: {line.strip()[:300]}"
+        for worker in workers
+        for line in lines
+        if worker in line
+    ]
 
 
 def describe(leftover: str) -> str:
@@ -303,6 +323,7 @@ class Campaign:
         while (found := left()) and time.monotonic() < deadline:
             time.sleep(1.0)
         self.outcome.leftovers += [describe(entry) for entry in sorted(found)]
+        self.outcome.problems += said_of_leftovers(found, job.work / "driver.log")
         self.say(f"== job {plan.name}: {time.monotonic() - started:.0f} s")
 
     def write_config(self, job: Job) -> Path:

@@ -50,6 +50,7 @@ def deepseek_job(
     raw = job_config(deepseek_path, root / "prompts.jsonl", root / "s.zarr", root)
     # What the killed worker leaves on the node goes at once (its log too).
     raw["worker"].update(node_resource=PAIR_NODE, servers_per_node=2, log_retention_s=0)
+    ray_cluster.acquire()  # first: the runtime context below would start a Ray of its own
     segments_before = server_segments()
     queues_before = shard_queue_nodes()
     resume_planning, fed = threading.Event(), itertools.count()
@@ -62,7 +63,6 @@ def deepseek_job(
 
     log: list[str] = []
     result: list[int] = []
-    ray_cluster.acquire()
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(plan_sources, "PART_BYTES", 400)  # parts of a few rows each
         patch.setattr(PlanFeed, "_feed", held_feed)
