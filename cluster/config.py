@@ -69,12 +69,30 @@ class DataConfig(Section):
     image's tokens, as the model's processor expands it). At most what one request to the
     model's server takes (its context length less 7: see Rules); left unset, 4096 or that,
     whichever is less."""
+    images_field: str = "images"
+    """The field holding a chat row's row-level image sources (LLaMA-Factory's multimodal
+    rows, ShareGPT or OpenAI): each placed where its `image_tag` stands in the turns, in
+    order; a row whose tags and images differ in number is rejected."""
+    image_tag: str = Field("<image>", min_length=1)
+    """The placeholder of a row-level image in a turn's text (LLaMA-Factory's)."""
     image_storage_options: dict[str, Any] | None = None
     """obstore settings for image parts held in object storage (`s3://bucket/key`, ...), as
     store.storage_options takes them; null: the planning nodes' environment (`AWS_*`)."""
     image_fetch_timeout_s: float = Field(30.0, gt=0)
-    """An image part's fetch (http(s), object storage) that stalls this long fails, and its
-    row is rejected."""
+    """An image part's fetch (http(s), object storage) not done this many seconds after it
+    starts fails, however its bytes arrive, and its row is rejected."""
+    image_max_bytes: int = Field(64 << 20, ge=1)
+    """An image source larger than this (a file, a fetch, a data URL's bytes) is not read,
+    and its row is rejected."""
+    image_max_pixels: int = Field(89_478_485, ge=1)
+    """An image whose header claims more pixels (width x height) than this is not decoded,
+    and its row is rejected (the default: PIL's own decompression-bomb threshold; PIL refuses
+    twice that whatever this says)."""
+    image_roots: list[str] | None = None
+    """The folders local image paths (relative, absolute, `file://`) must lie in, once
+    resolved (links followed); another is rejected unread. null: the folder of the row's
+    input; a list replaces it (name that folder too where relative paths are meant); `["/"]`:
+    anywhere the planning nodes can read (docs/security.md)."""
 
     @field_validator("image_storage_options")
     @classmethod
@@ -203,7 +221,12 @@ def apply_overrides(raw: dict[str, Any], overrides: list[str]) -> dict[str, Any]
 
 
 # The fields that hold local paths, (section, field): read by the job, or written.
-INPUT_FIELDS = (("model", "path"), ("data", "paths"), ("data", "chat_template"))
+INPUT_FIELDS = (
+    ("model", "path"),
+    ("data", "paths"),
+    ("data", "chat_template"),
+    ("data", "image_roots"),
+)
 OUTPUT_FIELDS = (("store", "url"), ("worker", "dump_root"), ("worker", "log_root"))
 
 

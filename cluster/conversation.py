@@ -4,22 +4,21 @@
     conv = parse_sharegpt(row["conversations"], row.get("tools"), row.get("system"), ...)
     # a Conversation(messages, tools), or a reject reason naming the field and what is wrong
 
-The messages reach the chat template as SGLang's /v1/chat/completions gives them for the same
-request (sglang/srt/entrypoints/openai/serving_chat.py), so the captured prompt is the served
-one: null members dropped, a null content "", a tool call's JSON `arguments` string the object
-it holds. Tools reach it as the row holds them, as transformers' `apply_chat_template(tools=)`
-takes them (SGLang 0.5.23 dumps its own Tool model instead, which adds a null `description`
-where a tool has none: a template printing tools as JSON then shows it). Content parts stay
-parts here, an image part as {"type": "image", "image": its source} whatever shape it came in;
-cluster/content_format.py shapes them for the template.
-The accepted shapes, with a row of each: docs/input-formats.md.
+The shapes are checked here: null members dropped, a null content "", a tool call's JSON
+`arguments` string the object it holds, as SGLang's /v1/chat/completions does; the messages
+and tools then pass through SGLang's own request models (cluster/served_form.py), so the
+captured prompt is the served one. Content parts stay parts here, an image part as
+{"type": "image", "image": its source} whatever shape it came in (LLaMA-Factory's row-level
+images placed at their tags: `place_row_images`); cluster/content_format.py shapes them for
+the template. The accepted shapes, with a row of each: docs/input-formats.md.
 """
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from typing import Any
+
+from cluster.row_values import RowValueError, bad_value, load_json
 
 # ShareGPT's `from` values and their roles, as the common converters map them (FastChat,
 # LLaMA-Factory, axolotl). `function_call` is an assistant turn calling tools.
@@ -60,9 +59,11 @@ def parse_tools(tools: Any, field: str) -> list[dict[str, Any]] | str | None:
         return None
     if isinstance(tools, str):
         try:
-            tools = json.loads(tools)
-        except ValueError as exc:
+            tools = load_json(tools)
+        except RowValueError as exc:
             return f"{field} is a string but not JSON: {exc}"
+        if reason := bad_value(tools, field):
+            return reason
     if not isinstance(tools, list):
         return f"{field} must be a list, got {type_name(tools)}"
     for i, tool in enumerate(tools):
@@ -155,9 +156,11 @@ def _check_tool_calls(calls: Any, where: str) -> list[dict[str, Any]] | str:
             arguments = {}
         if isinstance(arguments, str):  # OpenAI's JSON text; templates want the object
             try:
-                arguments = json.loads(arguments)
-            except ValueError as exc:
+                arguments = load_json(arguments)
+            except RowValueError as exc:
                 return f"{where}[{j}].function.arguments is not valid JSON: {exc}"
+            if reason := bad_value(arguments, f"{where}[{j}].function.arguments"):
+                return reason
         if not isinstance(arguments, dict):
             return f"{where}[{j}].function.arguments must be a JSON object"
         out.append(
@@ -225,6 +228,54 @@ def image_sources(messages: list[dict[str, Any]], field: str) -> list[tuple[str,
     ]
 
 
+def place_row_images(
+    messages: list[dict[str, Any]], images: Any, tag: str, field: str, images_field: str
+) -> list[dict[str, Any]] | str:
+    """LLaMA-Factory's multimodal rows: a row-level list of image sources (`images_field`), each
+    placed where its `tag` (`<image>`) stands in the turns' text, in order: the turns as content
+    parts. An image part beside them, or a count of tags other than the images', is refused:
+    no image is dropped and no tag stays text."""
+    if not isinstance(images, list):
+        return f"{images_field} must be a list of image sources, got {type_name(images)}"
+    for i, source in enumerate(images):
+        if not isinstance(source, str) or not source:
+            return f"{images_field}[{i}] must be a non-empty string (a path or URL)"
+    if image_sources(messages, field):
+        return f"row has both image parts in {field} and a row-level {images_field} list"
+    tags = sum(text.count(tag) for m in messages for text in _texts(m))
+    if tags != len(images):
+        return f"{field} holds {tags} {tag} tags for the {len(images)} images of {images_field}"
+    if not images:
+        return messages
+    sources = iter(images)
+
+    def split(text: str) -> list[dict[str, Any]]:
+        pieces = text.split(tag)
+        parts = [{"type": "text", "text": pieces[0]}] if pieces[0] else []
+        for piece in pieces[1:]:
+            parts.append({"type": IMAGE_PART, "image": next(sources)})
+            if piece:
+                parts.append({"type": "text", "text": piece})
+        return parts
+
+    out = []
+    for message in messages:
+        content = message["content"]
+        if isinstance(content, str) and tag in content:
+            message = {**message, "content": split(content)}
+        elif isinstance(content, list) and any(tag in text for text in _texts(message)):
+            parts = [q for p in content for q in (split(p["text"]) if "text" in p else [p])]
+            message = {**message, "content": parts}
+        out.append(message)
+    return out
+
+
+def _texts(message: dict[str, Any]) -> list[str]:
+    """A checked message's content as its text pieces."""
+    content = message["content"]
+    return [content] if isinstance(content, str) else [p["text"] for p in content if "text" in p]
+
+
 def by_digest(messages: list[dict[str, Any]], digests: list[str]) -> list[dict[str, Any]]:
     """The messages with their image parts, in prompt order, naming `digests` in place of their
     sources: `{"type": "image", "digest": ...}` (the image in the store, hsx_store/images.py)."""
@@ -284,9 +335,11 @@ def _sharegpt_message(turn: Any, where: str) -> dict[str, Any] | str:
     if speaker != "function_call":
         return {"role": SHAREGPT_ROLES[speaker], "content": value}
     try:
-        calls = json.loads(value)
-    except ValueError as exc:
+        calls = load_json(value)
+    except RowValueError as exc:
         return f"{where}: a function_call value must be JSON ({exc})"
+    if reason := bad_value(calls, f"{where}.value"):
+        return reason
     calls = calls if isinstance(calls, list) else [calls]
     if not calls or not all(isinstance(c, dict) and "name" in c for c in calls):
         return f'{where}: a function_call value must be {{"name", "arguments"}} or a list of them'

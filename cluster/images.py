@@ -1,7 +1,7 @@
 """Image parts of chat rows: their sources read, and the model's processor expanding them.
 
     image_token_id, position_ids = vision_settings(model_path)      # (12, "mrope") or (None, None)
-    sources = ImageSources(base_dir, data.image_storage_options, data.image_fetch_timeout_s,
+    sources = ImageSources(base_dir, data.image_storage_options, ImageLimits(...),
                            keep_in=ImageBlobs(location))           # None: keep nothing
     image = sources.read("pics/cat.png")                           # ReadImage, or a reason
     vision = Vision(model_path, trust_remote_code, image_token_id, position_ids)
@@ -25,9 +25,15 @@ import functools
 import inspect
 import io
 import json
+import os
+import queue
 import re
+import stat
+import threading
+import time
+import warnings
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -100,12 +106,24 @@ class ReadImage:
         return picture
 
 
+@dataclass(frozen=True)
+class ImageLimits:
+    """What one image source may be: bytes read, pixels claimed, the seconds its fetch may
+    take in all, and the folders a local path must lie in (resolved, links followed)."""
+
+    max_bytes: int = 64 << 20
+    max_pixels: int = 89_478_485  # PIL's own decompression-bomb warning threshold
+    deadline_s: float = 30.0
+    roots: tuple[Path, ...] | None = None  # None: any path
+
+
 class ImageSources:
     """Reads image parts' sources: a data URL (`data:image/...;base64,...`), a path (relative
-    to `base_dir`, the input file's folder, or absolute, or `file://`), an object-storage URL
-    (`s3://bucket/key`; `gs://`, `az://`) through obstore, an http(s) URL. The last
-    CACHED_SOURCES sources read are not read again; a failure is a reason (without the part's
-    name: the caller adds it; a URL named without its query string or userinfo).
+    to `base_dir`, the input file's folder, or absolute, or `file://`; a regular file within
+    `limits.roots`), an object-storage URL (`s3://bucket/key`; `gs://`, `az://`) through
+    obstore, an http(s) URL; each within `limits`. The last CACHED_SOURCES sources read are
+    not read again; a failure is a reason (without the part's name: the caller adds it; a URL
+    named without its query string or userinfo).
 
     `keep_in`: where `keep` puts the images of accepted rows (the store's; None: nowhere, as
     a dry run plans), each digest once per reader."""
@@ -114,11 +132,12 @@ class ImageSources:
         self,
         base_dir: Path,
         storage_options: dict[str, Any] | None = None,
-        timeout_s: float = 30.0,
+        limits: ImageLimits = ImageLimits(),
         keep_in: ImageBlobs | None = None,
     ) -> None:
-        self.base_dir, self.storage_options, self.timeout_s = base_dir, storage_options, timeout_s
+        self.base_dir, self.storage_options, self.limits = base_dir, storage_options, limits
         self.keep_in = keep_in
+        self._roots = None if limits.roots is None else [r.resolve() for r in limits.roots]
         self._read: OrderedDict[str, ReadImage | str] = OrderedDict()
         self._kept: set[str] = set()  # digests put into keep_in by this reader
 
@@ -144,35 +163,62 @@ class ImageSources:
                 self._kept.add(image.digest)
 
     def _fetch(self, source: str) -> ReadImage | str:
-        scheme = urlparse(source).scheme if "://" in source or source.startswith("data:") else ""
+        scheme = _scheme(source)
         try:
             if scheme == "data":
-                data = _data_url_bytes(source)
+                data = _data_url_bytes(source, self.limits.max_bytes)
             elif scheme in ("http", "https"):
-                data = self._http(source)
+                data = _within(self.limits.deadline_s, source, lambda: self._http(source))
             elif scheme and scheme != "file":
-                data = self._object(source)
+                data = _within(self.limits.deadline_s, source, lambda: self._object(source))
             else:
-                data = _file_bytes(self._path(source), source)
+                data = _file_bytes(self._path(source), source, self.limits.max_bytes)
         except _Unreadable as exc:
             return str(exc)
         except Exception as exc:  # a fetch's failure is the row's (obstore, requests)
             text = mask_secrets(f"{type(exc).__name__}: {exc}", self.storage_options)
             return f"cannot fetch image {_shown(source)}: {_without_queries(text, source)}"
-        return _checked(source, data)
+        return _checked(source, data, self.limits.max_pixels)
 
     def _path(self, source: str) -> Path:
+        """A local source's path; refused, without looking at what is there, outside the
+        roots (no reason tells a missing file outside them from any other)."""
         if source.startswith("file://"):
-            return Path(unquote(urlparse(source).path))
-        return self.base_dir / source  # an absolute path stays itself
+            try:
+                path = Path(unquote(urlparse(source).path))
+            except ValueError as exc:
+                raise _Unreadable(f"{source} is not a file URL: {exc}") from None
+        else:
+            path = self.base_dir / source  # an absolute path stays itself
+        if self._roots is None:
+            return path
+        real = path.resolve()  # read as checked: a link changed since cannot lead elsewhere
+        if not any(real.is_relative_to(root) for root in self._roots):
+            shown = ", ".join(str(r) for r in self._roots)
+            raise _Unreadable(
+                f"image path {source} lies outside data.image_roots ({shown}); "
+                "list its folder there to read it"
+            )
+        return real
 
     def _http(self, url: str) -> bytes:
         import requests
 
-        response = requests.get(url, timeout=self.timeout_s)
-        if response.status_code != 200:
-            raise _Unreadable(f"cannot fetch image {_shown(url)}: HTTP {response.status_code}")
-        return response.content
+        limit = self.limits.max_bytes
+        with requests.get(url, timeout=self.limits.deadline_s, stream=True) as response:
+            if response.status_code != 200:
+                raise _Unreadable(f"cannot fetch image {_shown(url)}: HTTP {response.status_code}")
+            declared = response.headers.get("Content-Length", "")
+            if declared.isdigit() and int(declared) > limit:
+                raise _too_large(url, int(declared), limit)
+            body, end = bytearray(), time.monotonic() + self.limits.deadline_s
+            while chunk := response.raw.read1(1 << 16, decode_content=True):
+                body += chunk
+                if len(body) > limit:
+                    raise _too_large(url, len(body), limit)
+                if time.monotonic() > end:  # given up by now (`_within`): stop reading too
+                    raise _Unreadable(f"cannot fetch image {_shown(url)}: past its deadline")
+        return bytes(body)
 
     def _object(self, url: str) -> bytes:
         import obstore
@@ -181,24 +227,83 @@ class ImageSources:
         store = _object_store(
             f"{parsed.scheme}://{parsed.netloc}",
             json.dumps(self.storage_options or {}, sort_keys=True, default=str),
-            self.timeout_s,
+            self.limits.deadline_s,
         )
-        return bytes(obstore.get(store, parsed.path.lstrip("/")).bytes())
+        result = obstore.get(store, parsed.path.lstrip("/"))
+        if (size := int(result.meta["size"])) > self.limits.max_bytes:
+            raise _too_large(url, size, self.limits.max_bytes)
+        return bytes(result.bytes())
 
 
 class _Unreadable(Exception):
     """A source that cannot be read, with the reason to give."""
 
 
-def _file_bytes(path: Path, source: str) -> bytes:
-    """The file's bytes; a reason names it as the row does, and where that led."""
+def _too_large(source: str, size: int, limit: int) -> _Unreadable:
+    return _Unreadable(
+        f"image {_shown(source)} is {size} bytes or more, beyond data.image_max_bytes {limit}"
+    )
+
+
+_SCHEME = re.compile(r"([A-Za-z][A-Za-z0-9+.-]*)://")
+
+
+def _scheme(source: str) -> str:
+    """A source's URL scheme, lowercase ("" for a path), without parsing the rest of it."""
+    if source.startswith("data:"):
+        return "data"
+    match = _SCHEME.match(source)
+    return match[1].lower() if match else ""
+
+
+def _within(deadline_s: float, source: str, fetch: Callable[[], bytes]) -> bytes:
+    """`fetch()`'s bytes, or a reason once `deadline_s` has passed: a client's timeouts bound
+    each read, not the whole (a server dripping a byte a second never trips them). The fetch
+    goes on in its daemon thread until it sees its deadline pass, or a read times out (http),
+    or its client's request timeout ends it (obstore); its result is dropped."""
+    done: queue.SimpleQueue[tuple[bytes | None, BaseException | None]] = queue.SimpleQueue()
+
+    def run() -> None:
+        try:
+            done.put((fetch(), None))
+        except BaseException as exc:  # handed to the caller, raised there
+            done.put((None, exc))
+
+    threading.Thread(target=run, name="image-fetch", daemon=True).start()
     try:
-        return path.read_bytes()
-    except OSError as exc:
-        where = "" if str(path) == source else f" (at {path})"
+        data, error = done.get(timeout=deadline_s)
+    except queue.Empty:
         raise _Unreadable(
-            f"cannot read image file {source}{where}: {exc.strerror or exc}"
+            f"cannot fetch image {_shown(source)}: not done within data.image_fetch_timeout_s "
+            f"({deadline_s:g} s)"
         ) from None
+    if error is not None:
+        raise error
+    assert data is not None
+    return data
+
+
+def _file_bytes(path: Path, source: str, limit: int) -> bytes:
+    """A regular file's bytes, at most `limit` of them (a FIFO would block, /dev/zero never
+    end); a reason names it as the row does, and where that led."""
+    where = "" if str(path) == source else f" (at {path})"
+    try:  # O_NONBLOCK: opening a FIFO returns at once, to be refused below
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError as exc:
+        raise _Unreadable(f"cannot read image file {source}{where}: {exc.strerror}") from None
+    with os.fdopen(fd, "rb") as file:
+        info = os.fstat(fd)
+        if not stat.S_ISREG(info.st_mode):
+            raise _Unreadable(f"image file {source}{where} is not a regular file")
+        if info.st_size > limit:
+            raise _too_large(source, info.st_size, limit)
+        try:
+            data = file.read(limit + 1)
+        except OSError as exc:
+            raise _Unreadable(f"cannot read image file {source}{where}: {exc.strerror}") from None
+    if len(data) > limit:  # grew since fstat
+        raise _too_large(source, len(data), limit)
+    return data
 
 
 def _shown(source: str) -> str:
@@ -209,12 +314,16 @@ def _shown(source: str) -> str:
         return source[:40] + "..." if len(source) > 40 else source
     if "://" not in source or source.startswith("file://"):
         return source
-    parts = urlsplit(source)
+    try:
+        parts = urlsplit(source)
+    except ValueError:  # not a URL (a bad IPv6 bracket): its scheme and host only
+        return source.split("://", 1)[0] + "://" + _HOST.match(source.split("://", 1)[1])[0]
     host = parts.netloc.rpartition("@")[2]
     cut = "?..." if parts.query else ""
     return urlunsplit((parts.scheme, host, parts.path, "", "")) + cut
 
 
+_HOST = re.compile(r"[^/?#@]*(?=[/?#]|$)|")  # up to the path; nothing where userinfo follows
 # A query string in an error's text (requests names the URL it failed on): up to a space,
 # quote or closing bracket.
 _QUERY = re.compile(r"\?[^\s'\")\]>]+")
@@ -222,7 +331,10 @@ _QUERY = re.compile(r"\?[^\s'\")\]>]+")
 
 def _without_queries(text: str, source: str) -> str:
     """An error's text about `source` without any query string or the URL's userinfo."""
-    parts = urlsplit(source) if "://" in source else None
+    try:
+        parts = urlsplit(source) if "://" in source else None
+    except ValueError:  # not a URL: its userinfo, if any, is not findable; cut every query
+        return _QUERY.sub("?...", text)
     if parts is None or parts.scheme not in ("http", "https"):
         return text
     if (userinfo := parts.netloc.rpartition("@")[0]) and len(userinfo) >= 4:
@@ -230,25 +342,40 @@ def _without_queries(text: str, source: str) -> str:
     return _QUERY.sub("?...", text)
 
 
-def _data_url_bytes(url: str) -> bytes:
+def _data_url_bytes(url: str, limit: int) -> bytes:
     head, comma, payload = url.partition(",")
     if not comma or not head.endswith(";base64"):
         raise _Unreadable("a data URL must be base64: data:image/<type>;base64,<data>")
+    if (size := len(payload) // 4 * 3) > limit:
+        raise _too_large(url, size, limit)
     try:
         return base64.b64decode(payload, validate=True)
     except (binascii.Error, ValueError) as exc:
         raise _Unreadable(f"a data URL's base64 is not valid: {exc}") from None
 
 
-def _checked(source: str, data: bytes) -> ReadImage | str:
-    """The bytes if PIL recognizes an image format in them (decoding comes later, per row)."""
-    from PIL import Image, UnidentifiedImageError
+def _checked(source: str, data: bytes, max_pixels: int) -> ReadImage | str:
+    """The bytes if PIL recognizes an image format in them, of at most `max_pixels` by its
+    header (decoding comes later, per row)."""
+    from PIL import Image
 
     try:
-        with Image.open(io.BytesIO(data)):
-            pass
-    except (UnidentifiedImageError, OSError, ValueError):
-        return f"{_shown(source)} is not an image (PIL cannot identify its format)"
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", Image.DecompressionBombWarning)  # judged below
+            with Image.open(io.BytesIO(data)) as picture:
+                width, height = picture.size
+    except Image.DecompressionBombError as exc:  # PIL's own hard limit: 2x its warning's
+        return f"{_shown(source)} is too large an image ({exc})"
+    except Exception as exc:  # PIL's format plugins raise what they meet
+        return (
+            f"{_shown(source)} is not an image (PIL cannot identify its format: "
+            f"{type(exc).__name__})"
+        )
+    if width * height > max_pixels:
+        return (
+            f"{_shown(source)} is {width}x{height} pixels, beyond data.image_max_pixels "
+            f"{max_pixels}"
+        )
     return ReadImage(image_digest(data), data)
 
 

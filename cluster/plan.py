@@ -37,7 +37,7 @@ from zarr.core.sync import sync
 from actors.config import GenerateConfig
 from cluster.config import DataConfig
 from cluster.conversation import by_digest
-from cluster.images import MROPE, ExpandedRow, text_positions
+from cluster.images import MROPE, ExpandedRow, ImageSources, text_positions
 from cluster.plan_encode import Encoder, PromptEncoded, Row, chat_template_text, parse_row
 from cluster.plan_sources import (
     Part,
@@ -66,6 +66,9 @@ __all__ = [
 log = logging.getLogger("cluster.plan")
 
 BATCH_ROWS = 1000  # rows per tokenizer batch call
+# A row the planner raised for: the row is rejected and the job goes on, but it is our bug
+# (every bad row has a reason of its own), logged with its traceback.
+PLANNER_FAULT = "the planner failed on this row, a bug to report ({error})"
 
 
 @dataclass(frozen=True)
@@ -185,8 +188,8 @@ def plan_part(
     folder = Path(image_dir) if image_dir else input_folder(data.paths[part.source])
     images = encoder.image_sources(folder, keep_in)
     while chunk := list(islice(raw, BATCH_ROWS)):
-        rows = [parse_row(value, reason, data) for _, value, reason in chunk]
-        encoded_rows = encoder.encode(rows, images)
+        rows = [_parsed(value, reason, data) for _, value, reason in chunk]
+        encoded_rows = _encoded(encoder, rows, images)
         for (number, _, _), row, encoded in zip(chunk, rows, encoded_rows, strict=True):
             reason = encoded if isinstance(encoded, str) else None
             result.rows.append((number, row.own_id, reason))
@@ -202,6 +205,32 @@ def plan_part(
     if ids:
         result.input_ids, result.loss_mask = np.concatenate(ids), np.concatenate(masks)
     return result
+
+
+def _parsed(value: Any, reason: str | None, data: DataConfig) -> Row:
+    """`parse_row`, whose failure is its row's reject (PLANNER_FAULT), never the plan's."""
+    try:
+        return parse_row(value, reason, data)
+    except Exception as exc:
+        log.exception("parsing a row failed")
+        return Row(None, PLANNER_FAULT.format(error=f"{type(exc).__name__}: {exc}"))
+
+
+def _encoded(encoder: Encoder, rows: list[Row], images: ImageSources) -> list[Any]:
+    """`encoder.encode(rows, images)`; where it raises, row by row, a row it raises for
+    rejected (PLANNER_FAULT) and the others encoded as ever."""
+    try:
+        return encoder.encode(rows, images)
+    except Exception:
+        log.exception("encoding %d rows failed; encoding them one by one", len(rows))
+    results: list[Any] = []
+    for row in rows:
+        try:
+            results += encoder.encode([row], images)
+        except Exception as exc:
+            log.exception("encoding a row failed")
+            results.append(PLANNER_FAULT.format(error=f"{type(exc).__name__}: {exc}"))
+    return results
 
 
 def _prompt_record(

@@ -29,11 +29,13 @@ from cluster.conversation import (
     image_sources,
     parse_openai,
     parse_sharegpt,
+    place_row_images,
     type_name,
 )
 from cluster.images import (
     NO_IMAGE_TOKEN,
     ExpandedRow,
+    ImageLimits,
     ImageSources,
     ReadImage,
     Vision,
@@ -47,6 +49,8 @@ from cluster.loss_mask import (
     token_mask_by_prefix,
 )
 from cluster.plan_sources import PlanError
+from cluster.row_values import bad_value
+from cluster.served_form import served_form
 from hsx_store.images import ImageBlobs, SampleImage
 
 NO_TEMPLATE = "the model has no chat template; set data.chat_template"
@@ -104,10 +108,27 @@ def parse_row(value: Any, reason: str | None, data: DataConfig) -> Row:
             )
         if own_id == "":
             return Row(None, f"{data.id_field} is an empty string")
+        if reason := bad_value(own_id, data.id_field):
+            return Row(None, reason)
         own_id = str(own_id)
         if "\0" in own_id:  # the store's fixed-width strings drop trailing NULs: ids would merge
             return Row(None, f"{data.id_field} contains a NUL character")
+    for name in _content_fields(data):
+        if name in value and (reason := bad_value(value[name], name)):
+            return Row(own_id, reason)
     return _parse_content(own_id, value, data)
+
+
+def _content_fields(data: DataConfig) -> tuple[str, ...]:
+    """The fields of a row the plan reads, besides its id."""
+    return (
+        data.text_field,
+        data.messages_field,
+        data.conversations_field,
+        data.tools_field,
+        data.images_field,
+        SHAREGPT_SYSTEM_FIELD,
+    )
 
 
 def _parse_content(own_id: str | None, row: dict[str, Any], data: DataConfig) -> Row:
@@ -124,6 +145,8 @@ def _parse_content(own_id: str | None, row: dict[str, Any], data: DataConfig) ->
             "sharegpt": data.conversations_field,
         }[schema]
     if schema == "text":
+        if row.get(data.images_field):
+            return Row(own_id, f"a text row cannot carry images ({data.images_field})")
         return _parse_text(own_id, row.get(field), field)
     tools = row.get(data.tools_field)
     if schema == "openai":
@@ -133,10 +156,19 @@ def _parse_content(own_id: str | None, row: dict[str, Any], data: DataConfig) ->
         conv = parse_sharegpt(row.get(field), tools, system, field, data.tools_field, data.roles)
     if isinstance(conv, str):
         return Row(own_id, conv)
-    images = tuple(image_sources(conv.messages, field)) if schema == "openai" else ()
-    return Row(
-        own_id, messages=conv.messages, tools=conv.tools, messages_field=field, images=images
-    )
+    messages = conv.messages
+    if (listed := row.get(data.images_field)) is not None:
+        messages = place_row_images(messages, listed, data.image_tag, field, data.images_field)
+        if isinstance(messages, str):
+            return Row(own_id, messages)
+    served = served_form(messages, conv.tools, field, data.tools_field)
+    if isinstance(served, str):
+        return Row(own_id, served)
+    messages, tools = served
+    images = tuple(image_sources(messages, field))
+    if listed:  # placed from the row's list: named as the row names them
+        images = tuple((f"{data.images_field}[{i}]", src) for i, (_, src) in enumerate(images))
+    return Row(own_id, messages=messages, tools=tools, messages_field=field, images=images)
 
 
 def _detect_schema(row: dict[str, Any], data: DataConfig) -> tuple[str, str] | str:
@@ -274,7 +306,11 @@ class Encoder:
         # Images: None without an image token (no processor is ever loaded then); the
         # positions every sample gets ("mrope": [P, 3], cluster/images.py; None: none).
         self.vision, self.position_ids = vision, position_ids
-        self._image_options = (data.image_storage_options, data.image_fetch_timeout_s)
+        self._image_options = data.image_storage_options
+        self._image_limits = ImageLimits(
+            data.image_max_bytes, data.image_max_pixels, data.image_fetch_timeout_s
+        )
+        self._image_roots = None if data.image_roots is None else tuple(map(Path, data.image_roots))
 
     @classmethod
     def load(
@@ -295,9 +331,12 @@ class Encoder:
 
     def image_sources(self, base_dir: Path, keep_in: ImageBlobs | None = None) -> ImageSources:
         """Where image parts are read from: paths relative to `base_dir` (the input's
-        folder), object storage with data.image_storage_options; and where an accepted row's
+        folder), within data.image_roots (default: `base_dir`), object storage with
+        data.image_storage_options; each within data's limits; and where an accepted row's
         images are put (`keep_in`: the store's; None: nowhere)."""
-        return ImageSources(base_dir, *self._image_options, keep_in=keep_in)
+        roots = (base_dir,) if self._image_roots is None else self._image_roots
+        limits = replace(self._image_limits, roots=roots)
+        return ImageSources(base_dir, self._image_options, limits, keep_in=keep_in)
 
     @functools.cached_property
     def image_token(self) -> str:

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import hashlib
 import itertools
-import json
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -21,6 +20,7 @@ import pyarrow as pa
 
 from cluster.config import DataConfig
 from cluster.conversation import SHAREGPT_SYSTEM_FIELD
+from cluster.row_values import RowValueError, load_json
 from hsx_store.model_identity import sha256_file
 
 PART_BYTES = 4 << 20  # of a JSONL file per part
@@ -140,9 +140,10 @@ def _read_jsonl(part: Part) -> tuple[Iterator[RawRow], int]:
                 yield number, None, "not valid UTF-8"
                 continue
             try:
-                yield number, json.loads(text), None
-            except json.JSONDecodeError as exc:
-                yield number, None, f"malformed JSON: {exc}"
+                value, reason = load_json(text), None
+            except RowValueError as exc:
+                value, reason = None, f"malformed JSON: {exc}"
+            yield number, value, reason
 
     return rows(), len(lines)
 
@@ -205,7 +206,11 @@ def _numbered(batches: Iterable[pa.RecordBatch]) -> Iterator[RawRow]:
     index = 0
     for batch in batches:
         for row in batch.to_pylist():
-            yield index, without_nulls(row), None
+            try:
+                value, reason = without_nulls(row), None
+            except RecursionError:  # a column nested deeper than the stack
+                value, reason = None, "row nested too deep to read"
+            yield index, value, reason
             index += 1
 
 

@@ -7,31 +7,40 @@ a seeded schedule of faults, then checked for exactly-once, correct rows and a c
     make campaign SEED=7 [CAMPAIGN=--short]
 
 Setup: simulated GPU nodes (ray.cluster_utils.Cluster, each advertising `sglang_node`), a tiny
-Llama served in float32 by one patched SGLang server per node, the stores on a real S3 server on
-loopback (moto) reached through a proxy that can fail, stall or hold requests (and reads them),
-and the servers' dumps in a small tmpfs of their own that can be filled (as root; elsewhere
-/dev/shm, and that fault is skipped). The driver is `python -m cluster run`, as `ray job submit`
-starts it. The jobs, one after another: `capture` (rows captured as they are), then two
-`generate:` jobs, `greedy` (every assistant turn written anew) and `sampled` (the last one,
-temperature 0.8), two responses a prompt, their stores in a versioned bucket.
+Llama (the bad_rows job's: a tiny Qwen2.5-VL) served in float32 by one patched SGLang server per
+node, the stores on a real S3 server on loopback (moto) reached through a proxy that can fail,
+stall or hold requests (and reads them), and the servers' dumps in a small tmpfs of their own that
+can be filled (as root; elsewhere /dev/shm, and that fault is skipped). The driver is
+`python -m cluster run`, as `ray job submit` starts it. The jobs, one after another: `capture`
+(rows captured as they are), then two `generate:` jobs, `greedy` (every assistant turn written
+anew) and `sampled` (the last one, temperature 0.8), two responses a prompt, their stores in a
+versioned bucket; last `bad_rows`, on a tiny Qwen2.5-VL, so that image sources are read: good rows
+(text, chat, images) with every kind of row the planner rejects among them
+(tools/campaign_bad_rows.py: lone surrogates, JSON too deep or with a 4300-digit integer, tools
+SGLang refuses, images that must not be read, one of them from a loopback server dripping a byte at
+a time).
 
 Faults, at seeded moments after a job starts (each of the job's kinds at least once): SIGKILL
 of a worker, of a server and of the driver (then the job is submitted again and resumes),
 SIGSTOP of a server for a while (a straggler), a node removed and another added, the S3
 endpoint resetting or stalling every connection for a while, the dump file system full for a
 while; in the generate jobs also a worker SIGKILLed mid-claim (while its upload of a part's
-responses is held; the upload lands after it died). A driver that exits short of a complete
-store is submitted again too.
+responses is held; the upload lands after it died); the bad_rows job's, lighter: a worker's
+and the driver's SIGKILL (the full form adds a server's and S3 resetting). A driver that
+exits short of a complete store is submitted again too.
 
-Checked at the end of each job: every planned sample committed exactly once, in input order,
-with its own tokens; `verify`'s integrity checks pass; one seeded sample per shard equals an
-independent float32 recompute (HF transformers); the report's counts match the store; nothing
-of ours is left in /dev/shm, the dump root, the workers' log folder or the temp dir, and no
-process of a server lives on. Of the generate jobs (tools/campaign_generation.py): every
-prompt's samples planned once, each part's responses written once (one object version), no
-kept part generated again, each sample its stored responses; the greedy job's responses the
-reference's greedy decode. The seed fixes the schedules and the samples checked; what each
-fault hits depends on the job's progress at that moment, which it does not.
+Checked at the end of each job: every planned sample committed exactly once, in input order, with
+its own tokens; `verify`'s integrity checks pass; one seeded sample per shard equals an independent
+float32 recompute (HF transformers); the report's counts match the store; nothing of ours is left
+in /dev/shm, the dump root, the workers' log folder or the temp dir, and no process of a server
+lives on. Of the generate jobs (tools/campaign_generation.py): every prompt's samples planned once,
+each part's responses written once (one object version), no kept part generated again, each sample
+its stored responses; the greedy job's responses the reference's greedy decode. Of the bad_rows
+job: each bad row rejected once, in the store and the report alike, with a reason matching its
+row's pattern, and no good row; every sample with images recomputed too (HF's Qwen2.5-VL, its
+stored images); the job done within 360 s, or its driver is killed and that is a problem (something
+hung). The seed fixes the schedules and the samples checked; what each fault hits depends on the
+job's progress at that moment, which it does not.
 The last line: `CAMPAIGN seed=... faults=... resubmits=... lost=0 duplicated=0 rewritten=0
 regenerated=0 leftovers=0 PASS`.
 """
@@ -58,6 +67,13 @@ from typing import Any
 import numpy as np
 import yaml
 
+from tools.campaign_bad_rows import (
+    Expected,
+    check_image_sample,
+    check_rejects,
+    dripping_server,
+    write_input,
+)
 from tools.campaign_cluster import (
     NODE_ARGS,
     configure_local_ray,
@@ -73,8 +89,9 @@ from tools.s3_server import s3_server
 from tools.tiny_models import ensure_models
 
 MODEL = "llama-tiny"
+VL_MODEL = "qwen25-vl-tiny"  # the bad_rows job's: its image rows are read, not refused unread
 DTYPE = "float32"  # served and stored exactly enough for a plain recompute to judge
-LAYERS = [0, 2, 4]
+LAYERS = {MODEL: [0, 2, 4], VL_MODEL: [0, 1, 2]}  # Qwen-style ids: HF hidden_states 1..3
 MAX_SUBMISSIONS = 40
 GENERATED_BUCKET = "campaign-generated"  # versioned: each landed PUT is a version
 LEFTOVER_SETTLE_S = 20.0  # how long leftovers may take to go after a job, before they count
@@ -97,6 +114,13 @@ LASTING = {"freeze_server": (4, 10), "s3_reset": (3, 8), "s3_stall": (3, 8), "di
 # back meanwhile, so the next holder may begin generating it before the upload lands. Below
 # the S3 client's 2 s timeout, so uploads of other workers held meanwhile are not retried.
 CLAIM_HOLD_S = 1.5
+
+# The bad_rows job's: its faults meet the good rows' capture; that the bad ones stay rejected
+# through a resumed plan is the driver's kill's.
+BAD_ROWS_KINDS = ("kill_worker", "kill_driver")
+# Its bound, beyond which it hung: 98-120 s measured (2 cores, short form), the rest a loaded
+# machine's margin.
+BAD_ROWS_WITHIN_S = 360.0
 
 GREEDY = {"turns": "all", "n": 2, "max_new_tokens": 16, "temperature": 0.0}
 SAMPLED = {"turns": "last", "n": 2, "max_new_tokens": 16, "temperature": 0.8, "top_p": 0.95}
@@ -159,6 +183,18 @@ class JobPlan:
     window_s: float
     kinds: tuple[str, ...] = KINDS
     generate: dict[str, Any] | None = None
+    model: str = MODEL
+    # The input mixes every kind of bad row among `samples` good ones
+    # (tools/campaign_bad_rows.py); each must be rejected with its reason.
+    bad_rows: bool = False
+    # The job must be done (its last driver exited 0) this long after its first submission:
+    # none of its rows hung it. None: no bound.
+    within_s: float | None = None
+
+    def time_left(self, started: float) -> float | None:
+        if self.within_s is None:
+            return None
+        return max(0.0, started + self.within_s - time.monotonic())
 
     @property
     def parts(self) -> int:
@@ -181,6 +217,17 @@ FORMS = {
             JobPlan("capture", 1200, 40, faults=8, window_s=150),
             JobPlan("greedy", 48, 16, 5, 60, GENERATION_KINDS, GREEDY),
             JobPlan("sampled", 48, 16, 5, 60, GENERATION_KINDS, SAMPLED),
+            JobPlan(
+                "bad_rows",
+                24,
+                7,
+                2,
+                45,
+                BAD_ROWS_KINDS,
+                model=VL_MODEL,
+                bad_rows=True,
+                within_s=BAD_ROWS_WITHIN_S,
+            ),
         ),
     ),
     "full": Form(
@@ -189,6 +236,17 @@ FORMS = {
             JobPlan("capture", 6000, 50, faults=24, window_s=540),
             JobPlan("greedy", 240, 16, 12, 150, (*KINDS, "claim_kill"), GREEDY),
             JobPlan("sampled", 240, 16, 12, 150, (*KINDS, "claim_kill"), SAMPLED),
+            JobPlan(
+                "bad_rows",
+                96,
+                8,
+                4,
+                90,
+                (*BAD_ROWS_KINDS, "kill_server", "s3_reset"),
+                model=VL_MODEL,
+                bad_rows=True,
+                within_s=2 * BAD_ROWS_WITHIN_S,
+            ),
         ),
     ),
 }
@@ -248,8 +306,10 @@ class Job:
     plan: JobPlan
     work: Path
     url: str
-    rows: list[dict[str, Any]] = field(default_factory=list)
+    rows: list[dict[str, Any]] = field(default_factory=list)  # the good ones, in input order
     schedule: list[Fault] = field(default_factory=list)
+    bad: list[Expected] = field(default_factory=list)  # the bad rows, each rejected as expected
+    hung: bool = False  # not done within its plan's `within_s` (its driver killed)
 
 
 class Campaign:
@@ -264,7 +324,10 @@ class Campaign:
         self.seed, self.form, self.work, self.say = seed, form, work, say
         self.jobs = jobs if jobs is not None else list(form.jobs)
         self.outcome = Outcome()
-        self.model = ensure_models(Path(".cache/models").resolve(), [MODEL])[MODEL]
+        names = sorted({plan.model for plan in self.jobs})
+        self.models = ensure_models(Path(".cache/models").resolve(), names)
+        self.model = self.models[self.jobs[0].model]  # the running job's (run_one sets it)
+        self.drip_url = ""  # the bad_rows job's image source that never finishes
         self.driver: subprocess.Popen[bytes] | None = None
         self._lock = threading.Lock()  # the driver handle: the fault thread kills it
 
@@ -281,6 +344,8 @@ class Campaign:
             self.proxy = stack.enter_context(FaultyProxy(self.s3.endpoint, rb"/responses-"))
             self.dump_root = stack.enter_context(dump_file_system(self.work / "dumps"))
             self.cluster = stack.enter_context(ray_cluster(self.form.nodes))
+            if any(plan.bad_rows for plan in self.jobs):
+                self.drip_url = stack.enter_context(dripping_server())
             if not self.dump_root.filler:
                 self.say("(disk_full is skipped: mounting a tmpfs needs root)")
             for plan in self.jobs:
@@ -292,12 +357,14 @@ class Campaign:
         job = Job(plan, self.work / plan.name, f"s3://{bucket}/{plan.name}.zarr")
         job.work.mkdir()
         job.schedule = make_schedule(self.seed, plan)
+        self.model = self.models[plan.model]
         shm_before, temp_before = our_shm_files(), our_temp_entries()
         config = self.write_config(job)
         what = "generate, then capture" if plan.generate else "capture"
+        bad = f" and {len(job.bad)} bad ones" if job.bad else ""
         self.say(
-            f"== job {plan.name} ({what}): {plan.samples} rows, {MODEL}, {self.form.nodes} "
-            f"nodes, store {job.url}"
+            f"== job {plan.name} ({what}): {len(job.rows)} rows{bad}, {plan.model}, "
+            f"{self.form.nodes} nodes, store {job.url}"
         )
         if plan.generate:
             self.say(f"   generate: {json.dumps(plan.generate)}")
@@ -305,7 +372,8 @@ class Campaign:
         started = time.monotonic()
         self.run_job(job, config)
         self.wait_servers_gone()
-        self.check_store(job)
+        if not job.hung:  # a hung job's store may not even be made: its problem says enough
+            self.check_store(job)
 
         def left() -> set[str]:
             return (
@@ -329,8 +397,11 @@ class Campaign:
     def write_config(self, job: Job) -> Path:
         from tests.helpers.prompts import write_prompts
 
-        prompts = job.work / "prompts.jsonl"
-        job.rows = write_prompts(prompts, job.plan.samples)
+        prompts, data = job.work / "prompts.jsonl", {}
+        if job.plan.bad_rows:
+            data = self.write_mixed(job, prompts)
+        else:
+            job.rows = write_prompts(prompts, job.plan.samples)
         options = {
             **self.s3.options,
             "endpoint": self.proxy.endpoint,
@@ -343,8 +414,12 @@ class Campaign:
             },
         }
         config: dict[str, Any] = {
-            "model": {"path": str(self.model), "dtype": DTYPE, "aux_layer_ids": LAYERS},
-            "data": {"paths": [str(prompts)], "max_length": 2048},
+            "model": {
+                "path": str(self.model),
+                "dtype": DTYPE,
+                "aux_layer_ids": LAYERS[job.plan.model],
+            },
+            "data": {"paths": [str(prompts)], "max_length": 2048, **data},
             "store": {
                 "url": job.url,
                 "storage_options": options,
@@ -369,6 +444,20 @@ class Campaign:
         path.write_text(yaml.safe_dump(config))
         path.chmod(0o600)  # it holds the S3 secret
         return path
+
+    def write_mixed(self, job: Job, prompts: Path) -> dict[str, Any]:
+        """The bad_rows job's input (its good rows to `job.rows`, its bad ones to `job.bad`);
+        the `data:` options its rows are meant for."""
+        from cluster.images import vision_settings
+        from tests.helpers.prompts import good_rows
+
+        images = vision_settings(self.model)[0] is not None
+        # A template without tool support rejects an agent's row (tiny Qwen2.5-VL's does).
+        good = [r for r in good_rows(job.plan.samples) if not images or "tools" not in r]
+        outside = self.work / f"{job.plan.name}-outside.png"  # beside the job's folder
+        mixed = write_input(prompts, good, outside, self.drip_url, images)
+        job.rows, job.bad = mixed.good, mixed.bad
+        return mixed.data
 
     # -- the job and its faults -----------------------------------------------------------------
 
@@ -402,7 +491,11 @@ class Campaign:
                 self.driver = start_driver(config, self.cluster.address, log)
                 submissions += 1
                 self.outcome.submissions += 1
-            code = self.driver.wait()
+            try:
+                code = self.driver.wait(timeout=job.plan.time_left(started))
+            except subprocess.TimeoutExpired:
+                self.give_up(job)
+                return
             elapsed = time.monotonic() - started
             self.say(f"[{elapsed:6.1f} s] driver exited {code} (submission {submissions})")
             if code == 0:
@@ -411,6 +504,18 @@ class Campaign:
                 raise RuntimeError(f"the job was refused: see {log}")
             if submissions >= MAX_SUBMISSIONS:
                 raise RuntimeError(f"the job did not complete in {MAX_SUBMISSIONS} submissions")
+
+    def give_up(self, job: Job) -> None:
+        """A job past its `within_s`: something of it hung. Its driver is killed (its workers
+        and servers end with it), and its store is judged as it is."""
+        with self._lock:
+            assert self.driver is not None
+            self.driver.kill()
+            self.driver.wait()
+        job.hung = True
+        self.outcome.problems.append(
+            f"[{job.plan.name}] not done within {job.plan.within_s:.0f} s: its driver was killed"
+        )
 
     def inject_all(self, job: Job, started: float, stop: threading.Event) -> None:
         schedule, previous_end = job.schedule, started
@@ -536,6 +641,11 @@ class Campaign:
         if not report.ok:
             problems.append("verify: " + report.format())
         self.check_report(store, problems)
+        if job.plan.bad_rows:
+            report = store.group.attrs.get("report") or {}
+            found = check_rejects(store.rejected, report, job.bad)
+            problems += found
+            self.say(f"the rejects of {len(job.bad)} bad rows checked: {len(found)} problems")
         self.check_rows(store, problems)
         if job.plan.generate is not None:
             self.check_generation(job, store, problems)
@@ -576,31 +686,48 @@ class Campaign:
             problems.append(f"the report says {got}, the store {expected}")
 
     def check_rows(self, store: Any, problems: list[str]) -> None:
-        """One seeded sample per shard against HF transformers in float32."""
+        """One seeded sample per shard against HF transformers in float32; in a vision
+        model's store, also every sample with images (what it runs on the vision model for)."""
+        rng = random.Random(self.seed)
+        picked = [rng.randrange(sh.sample_begin, sh.sample_end) for sh in store.shards]
+        if store.manifest.image_token_id is None:
+            for sh, i in zip(store.shards, picked, strict=True):
+                self.check_text_sample(store, sh.index, i, problems)
+            self.say(f"recomputed one sample of each of the {len(store.shards)} shards")
+            return
+        imaged = set(store.sample_images(0, store.num_samples))
+        for i in sorted(set(picked) | imaged):
+            try:
+                check_image_sample(self.model, store, i)
+            except AssertionError as exc:
+                shard = next(sh for sh in store.shards if sh.sample_begin <= i < sh.sample_end)
+                problems.append(f"shard {shard.index}: {exc}")
+        self.say(
+            f"recomputed one sample of each of the {len(store.shards)} shards and the "
+            f"{len(imaged)} samples with images"
+        )
+
+    def check_text_sample(self, store: Any, shard: int, i: int, problems: list[str]) -> None:
         import torch
 
         from tests.helpers.hf_reference import TOLERANCE, assert_matches
 
-        rng, g = random.Random(self.seed), store.group
-        for sh in store.shards:
-            i = rng.randrange(sh.sample_begin, sh.sample_end)
-            rows = store.sample_rows(i)
-            arrays = ("aux_hidden_states", "final_hidden_states", "prenorm_hidden_states")
-            aux, final, prenorm = (torch.from_numpy(np.asarray(g[a][rows])) for a in arrays)
-            try:
-                assert_matches(
-                    self.model,
-                    g["input_ids"][rows].tolist(),
-                    store.manifest.layer_ids,
-                    aux,
-                    final,
-                    **TOLERANCE[DTYPE],
-                    what=f"sample {i}",
-                    prenorm=prenorm,
-                )
-            except AssertionError as exc:
-                problems.append(f"shard {sh.index}: {exc}")
-        self.say(f"recomputed one sample of each of the {len(store.shards)} shards")
+        rows, g = store.sample_rows(i), store.group
+        arrays = ("aux_hidden_states", "final_hidden_states", "prenorm_hidden_states")
+        aux, final, prenorm = (torch.from_numpy(np.asarray(g[a][rows])) for a in arrays)
+        try:
+            assert_matches(
+                self.model,
+                g["input_ids"][rows].tolist(),
+                store.manifest.layer_ids,
+                aux,
+                final,
+                **TOLERANCE[DTYPE],
+                what=f"sample {i}",
+                prenorm=prenorm,
+            )
+        except AssertionError as exc:
+            problems.append(f"shard {shard}: {exc}")
 
 
 def wait_for(

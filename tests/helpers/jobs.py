@@ -164,13 +164,15 @@ def tokenizer_of(model: Path) -> Any:
 
 
 def expected_ids(model: Path, row: dict[str, Any]) -> list[int]:
-    """The row's tokens, computed here independently of the plan."""
+    """The row's tokens, computed here independently of the plan: a chat row as SGLang's own
+    `/v1/chat/completions` code hands it to the template."""
+    from tests.helpers.sglang_chat import served_template_inputs
+
     tokenizer = tokenizer_of(model)
     if "text" in row:
         return tokenizer(row["text"])["input_ids"]
-    out = tokenizer.apply_chat_template(
-        row["messages"], tools=row.get("tools"), tokenize=True, return_dict=True
-    )
+    messages, tools = served_template_inputs(row["messages"], row.get("tools"))
+    out = tokenizer.apply_chat_template(messages, tools=tools, tokenize=True, return_dict=True)
     return list(out["input_ids"])
 
 

@@ -39,6 +39,7 @@ from tests.helpers.jobs import (
 from tests.helpers.prompts import TOOLS, agentic_row, write_prompts
 from tests.helpers.ray_cluster import SimulatedCluster
 from tests.helpers.servers import DEEPSEEK_FLOAT32, ServerPool
+from tests.helpers.sglang_chat import served_template_inputs
 from tests.helpers.throttling import WRITE_RATE, through
 from tools.s3_server import S3Server
 from tools.throttling_proxy import ThrottlingProxy
@@ -204,8 +205,10 @@ def test_each_sample_is_its_prompt_and_the_turns_an_independent_client_writes(
     assert store.committed().all() and (np.asarray(store.group["sample_status"][:]) == 1).all()
     for row in generated_job.rows:
         if "messages" in row:
+            # The tools as SGLang's server hands them to the template (its own code).
+            tools = served_template_inputs(row["messages"], row.get("tools"))[1]
             expected, mask = chatml_turns(
-                server, deepseek_path, row["messages"], generated_job.stop, row.get("tools")
+                server, deepseek_path, row["messages"], generated_job.stop, tools
             )
         else:  # a text row: the model continues it
             prompt = tokenizer(row["text"])["input_ids"]
@@ -330,9 +333,11 @@ def test_the_responses_are_readable_on_their_own_and_the_report_counts_them(
                 t["text"] for t in c["turns"]
             ]
     agents = [c for c in conversations if c["id"].startswith("agent-")]
-    assert len(agents) == 2 and all(c["tools"] == TOOLS for c in agents)
+    # The row's tools and its kept call as SGLang serves them (a null description, index).
+    served, tools = served_template_inputs(agentic_row(9, "")["messages"], TOOLS)
+    assert len(agents) == 2 and all(c["tools"] == tools for c in agents)
     kept_call = agents[0]["messages"][1]
-    assert kept_call["tool_calls"] == agentic_row(9, "")["messages"][1]["tool_calls"]
+    assert kept_call["tool_calls"] == served[1]["tool_calls"]
     rejected = {r["sample_id"]: r["reason"] for r in store.rejected}
     assert set(rejected) == {"too-long"}
     assert "no room to generate" in rejected["too-long"]

@@ -29,6 +29,7 @@ from cluster.images import NO_IMAGE_TOKEN
 from cluster.plan import Plan, Reject, build_plan
 from cluster.plan_encode import UNRENDERED
 from tests.helpers.prompts import write_jsonl
+from tests.helpers.sglang_chat import served_template_inputs
 from tools.tiny_models import CHAT_TEMPLATE as TINY_TEMPLATE
 
 TEMPLATES = Path(__file__).resolve().parents[2] / "chat_templates"
@@ -343,8 +344,10 @@ def unmasked_text(ids: list[int], mask: list[int], tok: Any) -> str:
 
 
 def reference(tok: Any, messages: list[dict[str, Any]], template: str, **kw: Any) -> Any:
+    """The tokens of the request as SGLang's server renders it (its own code's inputs)."""
+    messages, tools = served_template_inputs(messages, TOOLS)
     return tok.apply_chat_template(
-        messages, tools=TOOLS, chat_template=template, tokenize=True, return_dict=True, **kw
+        messages, tools=tools, chat_template=template, tokenize=True, return_dict=True, **kw
     )
 
 
@@ -425,11 +428,11 @@ def test_real_templates_plan_agentic_rows_token_for_token(
                 texts = [content] if isinstance(content, str) else [p["text"] for p in content]
                 assert all(text in rest for text in texts), (row_id, message)
 
-    # The check tells the forms apart: the arguments as JSON text (without spaces, as logs may
-    # hold it), or for Kimi the user's parts joined, are other tokens.
-    wrong = copy.deepcopy(refs["ends-in-call"])
-    wrong[1]["tool_calls"][0]["function"]["arguments"] = '{"timezone":"Asia/Tokyo"}'
-    assert samples["ends-in-call"][0] != reference(tok, wrong, template)["input_ids"]
+    # The check tells the forms apart: the row rendered as it is, not as SGLang serves it (a
+    # tool's defer_loading null, a call's index null), or for Kimi the user's parts joined,
+    # are other tokens.
+    raw = tok.apply_chat_template(refs["ends-in-call"], tools=TOOLS, chat_template=template)
+    assert samples["ends-in-call"][0] != raw["input_ids"]
     if name == "kimi_k2_thinking":
         assert (
             samples["parallel"][0] != reference(tok, REFERENCE["parallel"], template)["input_ids"]
@@ -867,7 +870,10 @@ def test_a_tool_schema_null_reaches_the_template(
         chat_template=template_path("qwen3"),
     )
     template = (TEMPLATES / "qwen3.jinja").read_text()
-    ref = tok.apply_chat_template(messages, tools=tools, chat_template=template, tokenize=True)
+    served, served_tools = served_template_inputs(messages, tools)
+    assert served_tools is not None
+    assert served_tools[0]["function"]["parameters"]["properties"]["unit"]["default"] is None
+    ref = tok.apply_chat_template(served, tools=served_tools, chat_template=template, tokenize=True)
     assert by_id(plan)["x"][0] == ref["input_ids"]
 
 

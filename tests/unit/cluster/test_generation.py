@@ -28,6 +28,7 @@ from cluster.plan_encode import UNRENDERED
 from hsx_store.generated import GeneratedParts, closed_turn, conversation
 from tests.helpers.jobs import job_config
 from tests.helpers.prompts import TOOLS, write_jsonl, write_prompts
+from tests.helpers.sglang_chat import served_template_inputs
 from tools.tiny_models import CHAT_TEMPLATE
 
 END = "<|im_end|>"
@@ -208,12 +209,14 @@ def test_an_agents_prompt_holds_its_tools_and_the_calls_its_results_answer(
     ]
     agent, ends = prompts(tmp_path / "p.jsonl", llama_path, rows, max_length=512, max_new_tokens=8)
     assert isinstance(agent, Sample) and isinstance(ends, Sample)
+    # As SGLang's server hands them to the template (its own code): the served prompt.
+    served, tools = served_template_inputs(AGENT, TOOLS)
     reference = tok.apply_chat_template(
-        AGENT[:3], tools=TOOLS, add_generation_prompt=True, tokenize=True, return_dict=True
+        served[:3], tools=tools, add_generation_prompt=True, tokenize=True, return_dict=True
     )
     assert agent.input_ids.tolist() == list(reference["input_ids"])
-    assert agent.prompt["tools"] == TOOLS and agent.prompt["prompt"][:3] == AGENT[:3]
-    assert ends.prompt["prompt"] == [AGENT[0], {"role": "assistant", "content": None}]
+    assert agent.prompt["tools"] == tools and agent.prompt["prompt"][:3] == served[:3]
+    assert ends.prompt["prompt"] == [served[0], {"role": "assistant", "content": None}]
 
     written = {"role": "assistant", "content": None}
     two = [*AGENT[:1], {"role": "assistant", "content": "let me see"}, *AGENT]
@@ -222,12 +225,12 @@ def test_an_agents_prompt_holds_its_tools_and_the_calls_its_results_answer(
         tmp_path / "p.jsonl", llama_path, rows, max_length=512, turns="all", max_new_tokens=8
     )
     assert isinstance(got, Sample) and isinstance(ends, Sample)
-    assert got.prompt["prompt"] == [AGENT[0], written, AGENT[0], AGENT[1], AGENT[2], written]
-    assert ends.prompt["prompt"] == [AGENT[0], written]
+    assert got.prompt["prompt"] == [served[0], written, served[0], served[1], served[2], written]
+    assert ends.prompt["prompt"] == [served[0], written]
     # The second segment holds the kept call and its result, up to the header written after.
     first, second = np.split(got.input_ids, [got.prompt["segments"][0]])
     reference = tok.apply_chat_template(
-        [AGENT[0]], tools=TOOLS, add_generation_prompt=True, tokenize=True, return_dict=True
+        [served[0]], tools=tools, add_generation_prompt=True, tokenize=True, return_dict=True
     )
     assert first.tolist() == list(reference["input_ids"])
     call = '<tool_call>\n{"name": "lookup", "arguments": {"word": "draft"}}\n</tool_call>'

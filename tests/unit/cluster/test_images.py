@@ -252,7 +252,7 @@ def test_the_planning_task_puts_each_distinct_image_once_and_ships_only_rows(
             {"id": "d", "messages": [{"role": "user", "content": "no image"}]},
         ],
     )
-    data = DataConfig(paths=[str(path)], loss_mask="all")
+    data = DataConfig(paths=[str(path)], loss_mask="all", image_roots=[str(pics)])
     (part,) = split_parts([resolve_source(str(path), "auto")], data)
     puts: list[str] = []
     original = ImageBlobs.put
@@ -539,7 +539,10 @@ def rejects(http: str) -> list[tuple[Any, str]]:
             url_part("gone.png"),
             "cannot read image file gone.png (at {pics}/gone.png): No such file or directory",
         ),
-        (url_part("notes.txt"), "notes.txt is not an image (PIL cannot identify its format)"),
+        (
+            url_part("notes.txt"),
+            "notes.txt is not an image (PIL cannot identify its format: UnidentifiedImageError)",
+        ),
         (url_part("cut.png"), "cannot decode the image: "),
         (url_part(f"{http}/gone.png"), f"cannot fetch image {http}/gone.png: HTTP 404"),
         (url_part("s3://bucket/pics/gone.png"), "cannot fetch image s3://bucket/pics/gone.png: "),
@@ -577,7 +580,9 @@ def test_a_refused_fetch_is_the_rows_and_hides_secrets(encoder: Encoder, pics: P
             "retry_config": {"max_retries": 0},
         },
     )
-    sources = images_mod.ImageSources(pics, data.image_storage_options, 2.0)
+    sources = images_mod.ImageSources(
+        pics, data.image_storage_options, images_mod.ImageLimits(deadline_s=2.0)
+    )
     for url in (f"http://127.0.0.1:{port}/red.png", "s3://other-bucket/red.png"):
         reason = sources.read(url)
         assert isinstance(reason, str) and reason.startswith(f"cannot fetch image {url}: "), reason
@@ -757,7 +762,7 @@ def test_a_url_is_named_without_its_query_string_or_userinfo(
         "&X-Amz-Signature=deadbeefsignature"
     )
     host = http_root.removeprefix("http://")
-    sources = images_mod.ImageSources(pics, None, 2.0)
+    sources = images_mod.ImageSources(pics, None, images_mod.ImageLimits(deadline_s=2.0))
     with socket.socket() as s:  # a port nobody listens on
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
@@ -766,7 +771,8 @@ def test_a_url_is_named_without_its_query_string_or_userinfo(
             f"cannot fetch image {http_root}/gone.png?...: HTTP 404"
         ),
         f"{http_root}/notes.txt?{query}#frag": (
-            f"{http_root}/notes.txt?... is not an image (PIL cannot identify its format)"
+            f"{http_root}/notes.txt?... is not an image (PIL cannot identify its format: "
+            "UnidentifiedImageError)"
         ),
         f"http://127.0.0.1:{port}/red.png?{query}": (
             f"cannot fetch image http://127.0.0.1:{port}/red.png?...: ConnectionError: "
