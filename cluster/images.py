@@ -41,6 +41,7 @@ from urllib.parse import unquote, urlparse, urlsplit, urlunsplit
 
 import numpy as np
 
+from cluster.config import DataConfig
 from hsx_store.images import ImageBlobs, SampleImage, image_digest
 from hsx_store.location import mask_secrets, open_location
 
@@ -106,14 +107,18 @@ class ReadImage:
         return picture
 
 
+_DATA = DataConfig.model_fields  # the limits' defaults, where the settings are documented
+
+
 @dataclass(frozen=True)
 class ImageLimits:
     """What one image source may be: bytes read, pixels claimed, the seconds its fetch may
-    take in all, and the folders a local path must lie in (resolved, links followed)."""
+    take in all (data.image_max_bytes, image_max_pixels, image_fetch_timeout_s), and the
+    folders a local path must lie in (resolved, links followed)."""
 
-    max_bytes: int = 64 << 20
-    max_pixels: int = 89_478_485  # PIL's own decompression-bomb warning threshold
-    deadline_s: float = 30.0
+    max_bytes: int = _DATA["image_max_bytes"].default
+    max_pixels: int = _DATA["image_max_pixels"].default
+    deadline_s: float = _DATA["image_fetch_timeout_s"].default
     roots: tuple[Path, ...] | None = None  # None: any path
 
 

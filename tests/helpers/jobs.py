@@ -4,6 +4,7 @@ makes of the store they leave (exactly once, the plan's tokens, the HF reference
 from __future__ import annotations
 
 import functools
+import json
 import os
 import signal
 import subprocess
@@ -17,6 +18,7 @@ import numpy as np
 import pytest
 import ray
 import torch
+import yaml
 from transformers import AutoTokenizer
 
 from actors.config import WorkerJobConfig
@@ -156,6 +158,16 @@ def job_config(model: Path, data: Path, store: Path, tmp_path: Path) -> dict[str
         "queue": {"lease_s": 30, "straggler_min_s": 600},
         "driver": {"progress_interval_s": 1},
     }
+
+
+def dry_run(tmp_path: Path, model: Path, rows: list[dict[str, Any]], *argv: str) -> int:
+    """`run --dry-run` of the tests' job over `rows`, with `argv` added (--set, --store)."""
+    from cluster.__main__ import main
+
+    (tmp_path / "prompts.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    raw = job_config(model, tmp_path / "prompts.jsonl", tmp_path / "s.zarr", tmp_path)
+    (tmp_path / "job.yaml").write_text(yaml.safe_dump(raw))
+    return main(["run", "--config", str(tmp_path / "job.yaml"), "--dry-run", *argv])
 
 
 @functools.cache

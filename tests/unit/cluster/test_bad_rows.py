@@ -18,9 +18,9 @@ import pytest
 
 from cluster.config import DataConfig
 from cluster.plan import Plan, build_plan
+from tests.helpers.jobs import dry_run
 from tests.helpers.prompts import write_jsonl
 from tests.helpers.sglang_chat import SGLangRefused, served_template_inputs
-from tests.unit.cluster.test_dry_run import dry_run
 
 TEMPLATES = Path(__file__).resolve().parents[2] / "chat_templates"
 HI = {"role": "user", "content": "hi"}

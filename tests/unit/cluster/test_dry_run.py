@@ -3,7 +3,6 @@ said, nothing started or written."""
 
 from __future__ import annotations
 
-import json
 import shutil
 from pathlib import Path
 
@@ -14,17 +13,8 @@ from cluster import plan_sources
 from cluster.__main__ import main
 from cluster.config import parse_config
 from cluster.job_store import open_or_create, plan_into
-from tests.helpers.jobs import job_config
+from tests.helpers.jobs import dry_run, job_config
 from tests.helpers.locked import locked_folder
-
-
-def dry_run(tmp_path: Path, model: Path, rows: list[dict], *argv: str) -> int:
-    """`run --dry-run` of the tests' job over `rows`, with `argv` added (--set, --store)."""
-    (tmp_path / "prompts.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-    raw = job_config(model, tmp_path / "prompts.jsonl", tmp_path / "s.zarr", tmp_path)
-    (tmp_path / "job.yaml").write_text(yaml.safe_dump(raw))
-    return main(["run", "--config", str(tmp_path / "job.yaml"), "--dry-run", *argv])
-
 
 GOOD = {"id": "good", "text": "a draft model learns what the target would say"}
 BAD = {"id": "bad", "text": ""}
